@@ -1,0 +1,138 @@
+"""The GPU catalog: memory, peak dense 16-bit tensor FLOP/s, links and a default hourly price.
+
+Sources: vendor datasheets (dense, no sparsity; GeForce figures with fp32 accumulation);
+memory as `nvidia-smi` reports the total. Prices are typical on-demand cloud list prices per GPU
+hour in 2026; they vary by provider, so `--price` overrides them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from adaptive.errors import AdaptiveError, closest, require_positive
+
+GiB = 2**30
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int
+    peak_tflops: float  # dense 16-bit tensor-core TFLOP/s (bf16, or fp16 where there is no bf16)
+    bf16: bool
+    memory_bandwidth_gbps: float  # GB/s, HBM/GDDR
+    link: str  # intra-node GPU-to-GPU link
+    link_gbps: float  # GB/s one direction per GPU, what collectives inside a node can use
+    price_per_hour: float  # USD per GPU hour, default; override with --price
+    mfu: float  # stated MFU assumption for a plain data-parallel run (see throughput.py)
+    vendor: str = "nvidia"
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / GiB
+
+
+# mfu: llm-foundry reports ~60% (1B) and ~64% (7B) on A100, 46% (7B) on H100; torchtitan 33-39% on
+# H100. We assume less than the best published numbers for a HF-style model under DeepSpeed:
+# 0.45 on A100-class, 0.38 on Hopper/Blackwell (harder to feed), 0.35 on GeForce/Ada, 0.25 on
+# T4 (fp16, small caches), 0.30 on MI300X (ROCm kernels). Override with --mfu.
+CATALOG: dict[str, GPU] = {
+    g.name: g
+    for g in (
+        GPU("t4-16gb", 15360 * MiB, 65.0, False, 320, "PCIe 3.0 x16", 16, 0.35, 0.25),
+        GPU("rtx3090-24gb", 24576 * MiB, 71.0, True, 936, "PCIe 4.0 x16", 25, 0.22, 0.35),
+        GPU("rtx4090-24gb", 24564 * MiB, 165.0, True, 1008, "PCIe 4.0 x16 (no P2P)", 20, 0.34, 0.35),
+        # A10G: 125 TFLOP/s on the datasheet, ~70 seen in practice; the MFU below is against 125.
+        GPU("a10g-24gb", 23028 * MiB, 125.0, True, 600, "PCIe 4.0 x16", 25, 1.01, 0.25),
+        GPU("l4-24gb", 23034 * MiB, 121.0, True, 300, "PCIe 4.0 x16", 25, 0.70, 0.30),
+        GPU("l40s-48gb", 46068 * MiB, 362.0, True, 864, "PCIe 4.0 x16", 25, 0.86, 0.35),
+        GPU("a100-40gb", 40960 * MiB, 312.0, True, 1555, "NVLink 3 (600 GB/s)", 300, 1.29, 0.45),
+        GPU("a100-80gb", 81920 * MiB, 312.0, True, 2039, "NVLink 3 (600 GB/s)", 300, 1.79, 0.45),
+        GPU("h100-80gb", 81559 * MiB, 989.0, True, 3350, "NVLink 4 (900 GB/s)", 450, 2.99, 0.38),
+        GPU("h100-pcie-80gb", 81559 * MiB, 756.0, True, 2000, "PCIe 5.0 x16", 50, 2.49, 0.38),
+        GPU("h200-141gb", 143771 * MiB, 989.0, True, 4800, "NVLink 4 (900 GB/s)", 450, 3.79, 0.38),
+        GPU("b200-180gb", 183359 * MiB, 2250.0, True, 8000, "NVLink 5 (1800 GB/s)", 900, 5.99, 0.38),
+        GPU("mi300x-192gb", 196592 * MiB, 1307.0, True, 5300, "Infinity Fabric (896 GB/s)", 448, 2.99, 0.30,
+            vendor="amd"),
+    )
+}
+
+# Names people type for a catalog entry.
+ALIASES: dict[str, str] = {
+    "t4": "t4-16gb",
+    "3090": "rtx3090-24gb", "rtx3090": "rtx3090-24gb",
+    "4090": "rtx4090-24gb", "rtx4090": "rtx4090-24gb",
+    "a10g": "a10g-24gb", "a10": "a10g-24gb",
+    "l4": "l4-24gb",
+    "l40s": "l40s-48gb",
+    "a100": "a100-40gb", "a100-40g": "a100-40gb", "a100-sxm4-40gb": "a100-40gb",
+    "a100-80g": "a100-80gb", "a100-sxm4-80gb": "a100-80gb",
+    "h100": "h100-80gb", "h100-sxm": "h100-80gb", "h100-sxm-80gb": "h100-80gb", "h100-sxm5-80gb": "h100-80gb",
+    "h100-pcie": "h100-pcie-80gb",
+    "h200": "h200-141gb", "h200-sxm": "h200-141gb",
+    "b200": "b200-180gb",
+    "mi300x": "mi300x-192gb", "mi300": "mi300x-192gb",
+}
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[\s_]+", "-", name.strip().lower()).removeprefix("nvidia-").removeprefix("amd-")
+
+
+def get_gpu(name: str) -> GPU:
+    """The catalog entry for a name or alias (case-insensitive). Raises AdaptiveError otherwise."""
+    key = _normalise(name)
+    key = ALIASES.get(key, key)
+    if key in CATALOG:
+        return CATALOG[key]
+    near = closest(key, list(CATALOG) + list(ALIASES))
+    near = ALIASES.get(near, near) if near else None
+    hint = f"did you mean {near}?" if near else "run `adaptive gpus` for the catalog"
+    raise AdaptiveError(f"unknown GPU {name!r}; {hint}")
+
+
+def custom_gpu(base: GPU | None, memory_gib: float | None, tflops: float | None,
+               price_per_hour: float | None, bf16: bool | None = None) -> GPU:
+    """A catalog GPU with some figures overridden, or a GPU given wholly by flags."""
+    require_positive("--gpu-mem", memory_gib)
+    require_positive("--gpu-tflops", tflops)
+    if price_per_hour is not None and price_per_hour < 0:
+        raise AdaptiveError(f"--price must not be negative, got {price_per_hour}")
+    if base is None:
+        if memory_gib is None or tflops is None:
+            raise AdaptiveError("a custom GPU needs both --gpu-mem (GiB) and --gpu-tflops; or give --gpu NAME")
+        base = GPU("custom", 0, 0.0, True, 1000, "PCIe 4.0 x16", 25, 0.0, 0.35)
+        name = f"custom-{memory_gib:g}gib"
+    else:
+        name = base.name if memory_gib is None and tflops is None else f"{base.name}*"
+    return GPU(
+        name=name,
+        memory_bytes=int(memory_gib * GiB) if memory_gib is not None else base.memory_bytes,
+        peak_tflops=tflops if tflops is not None else base.peak_tflops,
+        bf16=base.bf16 if bf16 is None else bf16,
+        memory_bandwidth_gbps=base.memory_bandwidth_gbps,
+        link=base.link,
+        link_gbps=base.link_gbps,
+        price_per_hour=price_per_hour if price_per_hour is not None else base.price_per_hour,
+        mfu=base.mfu,
+        vendor=base.vendor,
+    )
+
+
+def match_detected_gpu(device_name: str, total_memory_bytes: int) -> GPU | None:
+    """The catalog entry for a `torch.cuda.get_device_properties` name and memory, if one matches.
+
+    Names such as "NVIDIA A100-SXM4-40GB" or "NVIDIA GeForce RTX 4090" are matched by model; the
+    memory picks between sizes of one model (A100 40 vs 80 GB); "PCIe" in the name picks that variant.
+    """
+    name = _normalise(device_name).replace("geforce-", "").replace("-", "")
+    pcie = "pcie" in name
+    candidates = [g for g in CATALOG.values()
+                  if g.name.split("-")[0] in name and ("pcie" in g.name) == pcie]
+    if not candidates and pcie:
+        candidates = [g for g in CATALOG.values() if g.name.split("-")[0] in name]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda g: abs(g.memory_bytes - total_memory_bytes))
