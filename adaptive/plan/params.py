@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from adaptive.plan.presets import ModelSpec
 
@@ -53,6 +54,7 @@ def mod_router_params(s: ModelSpec) -> int:
     return router + predictor
 
 
+@lru_cache(maxsize=1024)
 def layer_params(s: ModelSpec, layer_type: str) -> tuple[int, int, int]:
     """(total, active, expert) params of one decoder layer of `layer_type`."""
     norms = 2 * s.hidden_size
@@ -68,6 +70,7 @@ def layer_params(s: ModelSpec, layer_type: str) -> tuple[int, int, int]:
     return base + mlp, base + mlp, 0
 
 
+@lru_cache(maxsize=256)
 def count_params(s: ModelSpec) -> ParamCounts:
     per_layer = [layer_params(s, t) for t in s.layer_types]
     embed = s.vocab_size * s.hidden_size

@@ -1,0 +1,51 @@
+"""Should the adaptive orchestrator run? The user's decision guide, made explicit.
+
+Their guide (shared/DESIGN.md): use it for runs longer than a week, models of 70B or more, more
+than 8 GPUs, or MoE and other dynamic routing; avoid it for quick experiments, models under 7B, a
+single GPU, and debugging. Where the guide contradicts itself (a small MoE on one GPU), routing
+wins: expert balancing is the one policy that changes the result, and our measured overhead
+(docs/BENCHMARKS.md, bench/bench_orchestrator.py) is far below the guide's 3-8% small-scale cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from adaptive.plan.params import ParamCounts
+from adaptive.plan.presets import ModelSpec
+
+LONG_RUN_HOURS = 7 * 24
+LARGE_MODEL_PARAMS = 70e9
+MANY_GPUS = 8
+SMALL_MODEL_PARAMS = 7e9
+QUICK_RUN_HOURS = 1.0
+
+
+@dataclass(frozen=True)
+class OrchestratorAdvice:
+    recommended: bool
+    reason: str
+
+
+def orchestrator_advice(spec: ModelSpec, counts: ParamCounts, num_gpus: int, hours: float) -> OrchestratorAdvice:
+    reasons_for = []
+    if spec.is_moe:
+        reasons_for.append("MoE routing: expert balancing and capacity adaptation act on it")
+    if hours > LONG_RUN_HOURS:
+        reasons_for.append(f"a long run ({hours / 24:.0f} days): NaN/spike guard and OOM recovery protect it")
+    if counts.total >= LARGE_MODEL_PARAMS:
+        reasons_for.append("a model of 70B or more")
+    if num_gpus > MANY_GPUS:
+        reasons_for.append(f"{num_gpus} GPUs")
+    if spec.name.startswith("debug"):
+        return OrchestratorAdvice(False, "debugging: keep behaviour tight and predictable")
+    if reasons_for:
+        return OrchestratorAdvice(True, "; ".join(reasons_for))
+    reasons_against = []
+    if hours < QUICK_RUN_HOURS:
+        reasons_against.append("a quick experiment")
+    if counts.total < SMALL_MODEL_PARAMS:
+        reasons_against.append("a dense model under 7B")
+    if num_gpus == 1:
+        reasons_against.append("a single GPU")
+    return OrchestratorAdvice(False, "; ".join(reasons_against) or "no dynamic routing, short run, few GPUs")

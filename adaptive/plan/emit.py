@@ -1,0 +1,188 @@
+"""What a plan writes: the DeepSpeed config, the accelerate config, and the plan as JSON.
+
+Pure functions returning dicts/strings; the CLI writes them. Every ds_config is checked against
+DeepSpeed's own `DeepSpeedConfig` in tests/plan/test_emit.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from adaptive.plan import memory as mem
+from adaptive.plan.gpus import GPU
+from adaptive.plan.memory import TrainSetup
+from adaptive.plan.planner import Candidate, Plan
+
+GRADIENT_CLIPPING = 1.0
+JSON_SCHEMA_VERSION = 1
+
+
+def ds_config(setup: TrainSetup, grad_accum: int, gpu: GPU) -> dict:
+    """A DeepSpeed config for one setup. The optimizer and LR schedule are built by the training
+    loop (torch AdamW or DeepSpeedCPUAdam under offload, transformers' cosine schedule), so the
+    file holds only what DeepSpeed itself must know."""
+    dp = setup.world_size
+    zero: dict = {"stage": setup.zero_stage}
+    if setup.zero_stage > 0:
+        zero.update(overlap_comm=True, contiguous_gradients=True,
+                    reduce_bucket_size=mem.REDUCE_BUCKET_ELEMENTS)
+    if setup.zero_stage in (1, 2):
+        zero.update(allgather_bucket_size=mem.ALLGATHER_BUCKET_ELEMENTS, reduce_scatter=True)
+    if setup.zero_stage == 3:
+        zero.update(stage3_prefetch_bucket_size=mem.STAGE3_PREFETCH_ELEMENTS,
+                    stage3_max_live_parameters=mem.STAGE3_MAX_LIVE_PARAMETERS,
+                    stage3_max_reuse_distance=mem.STAGE3_MAX_LIVE_PARAMETERS,
+                    stage3_param_persistence_threshold=100_000,
+                    stage3_gather_16bit_weights_on_model_save=True)
+    if setup.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if setup.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    cfg: dict = {
+        "train_batch_size": setup.micro_batch_size * grad_accum * dp,
+        "train_micro_batch_size_per_gpu": setup.micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": GRADIENT_CLIPPING,
+        "zero_optimization": zero,
+        "steps_per_print": 100,
+        "wall_clock_breakdown": False,
+    }
+    if gpu.bf16:
+        cfg["bf16"] = {"enabled": True}
+    else:
+        # T4 and older: fp16 with dynamic loss scaling
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
+                       "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+    return cfg
+
+
+def accelerate_config(setup: TrainSetup, ds_config_path: str) -> dict:
+    """accelerate's ClusterConfig fields for a DeepSpeed launch of this setup."""
+    cfg = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "DEEPSPEED",
+        "deepspeed_config": {
+            "deepspeed_config_file": ds_config_path,
+            "zero3_init_flag": setup.zero_stage == 3,
+        },
+        "machine_rank": 0,
+        "num_machines": setup.num_nodes,
+        "num_processes": setup.world_size,
+        "main_training_function": "main",
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+    }
+    if setup.num_nodes > 1:
+        cfg["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
+        cfg["main_process_ip"] = "MAIN_NODE_IP"
+        cfg["main_process_port"] = 29500
+    return cfg
+
+
+def to_yaml(data: dict, indent: int = 0) -> str:
+    """Block-style YAML for nested dicts of scalars (the core install has no YAML library)."""
+    lines = []
+    pad = "  " * indent
+    for key, value in data.items():
+        if isinstance(value, dict):
+            lines.append(f"{pad}{key}:")
+            lines.append(to_yaml(value, indent + 1).rstrip("\n"))
+        else:
+            lines.append(f"{pad}{key}: {json.dumps(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def candidate_dict(c: Candidate) -> dict:
+    s = c.setup
+    t = c.throughput
+    return {
+        "zero_stage": s.zero_stage,
+        "offload_optimizer": s.offload_optimizer,
+        "offload_params": s.offload_params,
+        "micro_batch_size": s.micro_batch_size,
+        "gradient_accumulation_steps": c.grad_accum,
+        "seq_len": s.seq_len,
+        "gradient_checkpointing": s.gradient_checkpointing,
+        "ep_size": s.ep_size,
+        "memory": dict(c.memory.parts),
+        "peak_gpu_bytes": c.memory.peak_gpu_bytes,
+        "host_bytes": c.memory.host_bytes_per_node,
+        "fits_gpu": c.fits_gpu,
+        "fits_host": c.fits_host,
+        "tokens_per_second": t.tokens_per_second,
+        "mfu_assumed": t.utilisation,
+        "mfu_predicted": t.mfu,
+        "model_flops_per_token": t.model_flops_per_token,
+        "hardware_flops_per_token": t.hardware_flops_per_token,
+        "step_seconds": t.step_seconds,
+        "step_breakdown_seconds": {"compute": t.compute_seconds, "data_parallel_comm": t.comm_seconds,
+                                   "moe_alltoall": t.alltoall_seconds, "offload": t.offload_seconds},
+    }
+
+
+def plan_dict(plan: Plan) -> dict:
+    """The stable `--json` schema (README documents it)."""
+    req = plan.request
+    c = plan.shown
+    spec = req.spec
+    out = {
+        "schema_version": JSON_SCHEMA_VERSION,
+        "fits": plan.fits,
+        "model": spec.name,
+        "arch": spec.arch,
+        "model_source": spec.source,
+        "gpu": req.gpu.name,
+        "num_gpus": req.world_size,
+        "gpus_per_node": req.gpus_per_node,
+        "num_nodes": req.num_nodes,
+        "precision": "bf16" if req.gpu.bf16 else "fp16",
+        "params_total": plan.counts.total,
+        "params_active": plan.counts.active,
+        **candidate_dict(c),
+        "gpu_capacity_bytes": req.gpu.memory_bytes,
+        "host_capacity_bytes": plan.host_mem_bytes,
+        "global_batch_tokens": c.setup.seq_len * c.setup.micro_batch_size * c.grad_accum * req.world_size,
+        "train_tokens": plan.train_tokens,
+        "train_hours": plan.hours,
+        "price_per_gpu_hour": req.gpu.price_per_hour,
+        "cost_usd": plan.cost,
+        "cost_per_1b_tokens_usd": plan.cost / plan.train_tokens * 1e9,
+        "ladder": [{"change": s.change, "peak_gpu_bytes": s.peak_gpu_bytes, "fits": s.fits, "fits_gpu": s.fits_gpu}
+                   for s in plan.ladder],
+        "orchestrator": {"recommended": plan.orchestrator.recommended, "reason": plan.orchestrator.reason},
+        "suggestions": list(plan.suggestions),
+        "assumptions": assumptions(plan),
+    }
+    return out
+
+
+def assumptions(plan: Plan) -> dict:
+    from adaptive.plan import throughput as tp
+
+    return {
+        "mfu": plan.shown.throughput.utilisation,
+        "cuda_context_bytes": mem.CUDA_CONTEXT_BYTES,
+        "fragmentation_fraction": mem.FRAGMENTATION,
+        "host_mem_bytes_per_node": plan.host_mem_bytes,
+        "internode_gbps_per_gpu": tp.INTERNODE_GBPS_PER_GPU,
+        "host_link_gbps": tp.HOST_LINK_GBPS,
+        "cpu_adam_params_per_second": tp.CPU_ADAM_PARAMS_PER_S,
+        "capacity_factor": plan.request.capacity_factor,
+        "train_tokens_rule": "given" if plan.request.train_tokens else "20 x active params (Chinchilla)",
+    }
+
+
+def write_plan_files(plan: Plan, out_dir: str | Path) -> dict[str, Path]:
+    """ds_config.json, accelerate_config.yaml and plan.json in `out_dir`; returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    c = plan.shown
+    ds_path = out / "ds_config.json"
+    acc_path = out / "accelerate_config.yaml"
+    plan_path = out / "plan.json"
+    ds_path.write_text(json.dumps(ds_config(c.setup, c.grad_accum, plan.request.gpu), indent=2) + "\n")
+    acc_path.write_text(to_yaml(accelerate_config(c.setup, str(ds_path.resolve()))))
+    plan_path.write_text(json.dumps(plan_dict(plan), indent=2) + "\n")
+    return {"ds_config": ds_path, "accelerate_config": acc_path, "plan": plan_path}

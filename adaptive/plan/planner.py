@@ -1,0 +1,361 @@
+"""The planner: search DeepSpeed settings for a model on a GPU type and pick the fastest that fits.
+
+Pure functions over frozen dataclasses. `fit(request) -> Plan`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from adaptive.errors import AdaptiveError, require_positive
+from adaptive.plan.advice import OrchestratorAdvice, orchestrator_advice
+from adaptive.plan.gpus import CATALOG, GPU
+from adaptive.plan.memory import MemoryEstimate, TrainSetup, estimate_memory
+from adaptive.plan.params import ParamCounts, count_params
+from adaptive.plan.presets import PRESETS, ModelSpec, spec_from_shape
+from adaptive.plan.throughput import Throughput, cost_usd, estimate_throughput, train_hours
+
+OFFLOADS = ("none", "optimizer", "all")
+CHINCHILLA_TOKENS_PER_PARAM = 20
+MAX_MICRO_BATCH = 64
+HOST_MEM_PER_GPU_MEM = 3
+
+
+@dataclass(frozen=True)
+class FitRequest:
+    """What the user asked for. None means "let the planner choose"."""
+
+    spec: ModelSpec
+    gpu: GPU
+    gpus_per_node: int = 1
+    num_nodes: int = 1
+    seq_len: int = 2048
+    min_seq_len: int | None = None  # shorter sequences are tried only down to this
+    global_batch_tokens: int | None = None
+    train_tokens: float | None = None
+    zero_stage: int | None = None
+    offload: str | None = None  # none | optimizer | all
+    micro_batch_size: int | None = None
+    grad_accum: int | None = None
+    gradient_checkpointing: bool | None = None
+    ep_size: int | None = None
+    capacity_factor: float = 1.0
+    mfu: float | None = None
+    host_mem_bytes: int | None = None  # per node; default: 2x the node's GPU memory
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.num_nodes
+
+
+@dataclass(frozen=True)
+class Candidate:
+    setup: TrainSetup
+    grad_accum: int
+    memory: MemoryEstimate
+    throughput: Throughput
+    fits_gpu: bool
+    fits_host: bool
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_gpu and self.fits_host
+
+
+@dataclass(frozen=True)
+class LadderStep:
+    change: str
+    peak_gpu_bytes: int
+    fits: bool
+    fits_gpu: bool  # False with fits_gpu True means the offload needs more host RAM
+
+
+@dataclass(frozen=True)
+class Plan:
+    request: FitRequest
+    counts: ParamCounts
+    best: Candidate | None  # the chosen fitting plan, None when nothing fits
+    closest: Candidate  # best when it fits, else the pinned/naive candidate with the smallest peak
+    ladder: tuple[LadderStep, ...]
+    train_tokens: float
+    global_batch_tokens: int
+    host_mem_bytes: int
+    orchestrator: OrchestratorAdvice
+    suggestions: tuple[str, ...] = field(default=())
+    searched: int = 0
+
+    @property
+    def fits(self) -> bool:
+        return self.best is not None
+
+    @property
+    def shown(self) -> Candidate:
+        return self.best or self.closest
+
+    @property
+    def hours(self) -> float:
+        return train_hours(self.train_tokens, self.shown.throughput.tokens_per_second)
+
+    @property
+    def cost(self) -> float:
+        return cost_usd(self.hours, self.request.world_size, self.request.gpu.price_per_hour)
+
+
+def default_global_batch_tokens(active_params: int) -> int:
+    """Global batch in tokens by model size: 0.5M tokens at ~1B, 1M at ~7B, 2M from ~14B
+    (the user's documents use 512K for b1 and 1M for b7; Llama 2 used 4M at 70B)."""
+    if active_params < 50e6:
+        return 64 * 1024
+    if active_params < 500e6:
+        return 256 * 1024
+    if active_params < 3e9:
+        return 512 * 1024
+    if active_params < 12e9:
+        return 1024 * 1024
+    return 2048 * 1024
+
+
+def validate(req: FitRequest) -> None:
+    for name, value in (("--gpus", req.gpus_per_node), ("--nodes", req.num_nodes), ("--seq-len", req.seq_len),
+                        ("--min-seq-len", req.min_seq_len), ("--global-batch-tokens", req.global_batch_tokens),
+                        ("--tokens", req.train_tokens), ("--micro-batch", req.micro_batch_size),
+                        ("--grad-accum", req.grad_accum), ("--ep-size", req.ep_size),
+                        ("--capacity-factor", req.capacity_factor), ("--mfu", req.mfu),
+                        ("--host-mem", req.host_mem_bytes)):
+        require_positive(name, value)
+    if req.mfu is not None and req.mfu > 1:
+        raise AdaptiveError(f"--mfu is a fraction of peak and must be at most 1, got {req.mfu}")
+    if req.zero_stage is not None and req.zero_stage not in (0, 1, 2, 3):
+        raise AdaptiveError(f"--zero must be 0, 1, 2 or 3, got {req.zero_stage}")
+    if req.offload is not None and req.offload not in OFFLOADS:
+        raise AdaptiveError(f"--offload must be one of {', '.join(OFFLOADS)}, got {req.offload!r}")
+    if req.offload == "all" and req.zero_stage not in (None, 3):
+        raise AdaptiveError(f"--offload all offloads parameters, which needs ZeRO-3, not --zero {req.zero_stage}")
+    if req.offload in ("optimizer", "all") and req.zero_stage == 0:
+        raise AdaptiveError("--offload needs ZeRO stage 1 or higher; --zero 0 has no partitioned optimizer")
+    if req.min_seq_len is not None and req.min_seq_len > req.seq_len:
+        raise AdaptiveError(f"--min-seq-len ({req.min_seq_len}) must not exceed --seq-len ({req.seq_len})")
+    if req.seq_len > req.spec.max_position_embeddings * 8:
+        raise AdaptiveError(f"--seq-len {req.seq_len} is far beyond the model's "
+                            f"max_position_embeddings ({req.spec.max_position_embeddings})")
+    s = req.spec
+    if s.is_moe:
+        if req.zero_stage == 3:
+            raise AdaptiveError("--zero 3 is impossible for MoE: DeepSpeed's native MoE refuses ZeRO stage 3; use --zero 2")
+        if req.ep_size is not None:
+            if s.num_local_experts % req.ep_size:
+                raise AdaptiveError(f"num_experts ({s.num_local_experts}) must be divisible by ep_size ({req.ep_size})")
+            if req.world_size % req.ep_size:
+                raise AdaptiveError(f"the number of GPUs ({req.world_size}) must be divisible by ep_size ({req.ep_size})")
+    elif req.ep_size not in (None, 1):
+        raise AdaptiveError(f"--ep-size {req.ep_size} needs an MoE model; {s.name} {s.arch} has no experts")
+
+
+def sequence_candidates(req: FitRequest) -> list[int]:
+    """The requested length first, then 3/4, 1/2, ... (multiples of 64) down to --min-seq-len."""
+    seqs = [req.seq_len]
+    if req.min_seq_len is None:
+        return seqs
+    for frac in (0.75, 0.5, 0.375, 0.25, 0.125):
+        s = max(64, int(req.seq_len * frac) // 64 * 64)
+        if s >= req.min_seq_len and s not in seqs:
+            seqs.append(s)
+    if req.min_seq_len not in seqs:
+        seqs.append(req.min_seq_len)
+    return seqs
+
+
+def ep_candidates(req: FitRequest) -> list[int]:
+    s = req.spec
+    if not s.is_moe:
+        return [1]
+    if req.ep_size is not None:
+        return [req.ep_size]
+    return [e for e in range(1, s.num_local_experts + 1)
+            if s.num_local_experts % e == 0 and req.world_size % e == 0]
+
+
+def zero_offload_candidates(req: FitRequest) -> list[tuple[int, str]]:
+    stages = [req.zero_stage] if req.zero_stage is not None else [0, 1, 2, 3]
+    if req.spec.is_moe:
+        stages = [z for z in stages if z != 3]
+    out = []
+    for z in stages:
+        for off in ([req.offload] if req.offload else OFFLOADS):
+            if off == "all" and z != 3:
+                continue
+            if off == "optimizer" and z == 0:
+                continue
+            out.append((z, off))
+    return out
+
+
+def grad_accum_for(req: FitRequest, global_tokens: int, seq: int, micro: int) -> int:
+    samples = max(1, round(global_tokens / seq))
+    per_rank = samples / req.world_size
+    return max(1, math.ceil(per_rank / micro))
+
+
+def micro_batch_candidates(req: FitRequest, global_tokens: int, seq: int) -> list[int]:
+    if req.micro_batch_size is not None:
+        return [req.micro_batch_size]
+    per_rank = max(1, math.ceil(global_tokens / seq / req.world_size))
+    if req.grad_accum is not None:
+        return [max(1, math.ceil(per_rank / req.grad_accum))]
+    out, m = [], 1
+    while m <= min(per_rank, MAX_MICRO_BATCH):
+        out.append(m)
+        m *= 2
+    return out
+
+
+def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, offload: str,
+             ckpt: bool, ep: int, global_tokens: int, host_mem: int) -> Candidate:
+    setup = TrainSetup(spec=spec, seq_len=seq, micro_batch_size=micro, zero_stage=zero,
+                       offload_optimizer=offload in ("optimizer", "all"), offload_params=offload == "all",
+                       gradient_checkpointing=ckpt, gpus_per_node=req.gpus_per_node, num_nodes=req.num_nodes,
+                       ep_size=ep, capacity_factor=req.capacity_factor)
+    accum = req.grad_accum or grad_accum_for(req, global_tokens, seq, micro)
+    mem = estimate_memory(setup)
+    tp = estimate_throughput(setup, req.gpu, accum, req.mfu)
+    return Candidate(setup=setup, grad_accum=accum, memory=mem, throughput=tp,
+                     fits_gpu=mem.peak_gpu_bytes <= req.gpu.memory_bytes,
+                     fits_host=mem.host_bytes_per_node <= host_mem)
+
+
+def _preference(c: Candidate) -> tuple:
+    """Highest predicted throughput; ties go to bigger micro-batches, no offload, lower ZeRO."""
+    s = c.setup
+    return (round(c.throughput.tokens_per_second, 6), s.micro_batch_size, not s.offload_optimizer,
+            -s.zero_stage, -s.ep_size)
+
+
+def search(req: FitRequest, spec: ModelSpec, global_tokens: int, host_mem: int) -> tuple[Candidate | None, list[Candidate]]:
+    """The best fitting candidate at the longest sequence that fits, and everything evaluated."""
+    ckpts = [req.gradient_checkpointing] if req.gradient_checkpointing is not None else [False, True]
+    evaluated: list[Candidate] = []
+    for seq in sequence_candidates(req):
+        fitting = []
+        for zero, off in zero_offload_candidates(req):
+            for ep in ep_candidates(req):
+                for ckpt in ckpts:
+                    for micro in micro_batch_candidates(req, global_tokens, seq):
+                        c = evaluate(req, spec, seq, micro, zero, off, ckpt, ep, global_tokens, host_mem)
+                        evaluated.append(c)
+                        if c.fits:
+                            fitting.append(c)
+        if fitting:
+            return max(fitting, key=_preference), evaluated
+    return None, evaluated
+
+
+def _closeness(c: Candidate) -> tuple:
+    """Without a fit: prefer what fits the GPU and needs the least host RAM, else the smallest peak."""
+    if c.fits_gpu:
+        return (0, c.memory.host_bytes_per_node, -c.throughput.tokens_per_second)
+    return (1, c.memory.peak_gpu_bytes, 0)
+
+
+def ladder(req: FitRequest, chosen: Candidate, global_tokens: int, host_mem: int) -> tuple[LadderStep, ...]:
+    """The OOM playbook with our numbers: the naive config, then each remedy added in order."""
+    s = chosen.setup
+    zero = s.zero_stage
+    off = "all" if s.offload_params else "optimizer" if s.offload_optimizer else "none"
+
+    def step(change: str, spec: ModelSpec, seq: int, ckpt: bool) -> LadderStep:
+        c = evaluate(req, spec, seq, 1, zero, off, ckpt, s.ep_size if spec.is_moe else 1, global_tokens, host_mem)
+        return LadderStep(change, c.memory.peak_gpu_bytes, c.fits, c.fits_gpu)
+
+    spec = req.spec
+    steps = [step(f"naive: micro-batch 1, seq {req.seq_len}, no checkpointing, ZeRO-{zero}"
+                  + (f" + offload {off}" if off != "none" else ""), spec, req.seq_len, False)]
+    steps.append(step("+ gradient checkpointing", spec, req.seq_len, True))
+    if spec.is_moe and spec.name in PRESETS:
+        spec = spec_from_shape(PRESETS[spec.name], "mod")
+        steps.append(step("+ MoD instead of MoE", spec, req.seq_len, True))
+    for frac in (0.75, 0.5):
+        seq = max(64, int(req.seq_len * frac) // 64 * 64)
+        if seq < req.seq_len:
+            steps.append(step(f"+ sequence {seq}", spec, seq, True))
+    return tuple(steps)
+
+
+def fit(req: FitRequest, suggest: bool = True) -> Plan:
+    """Plan a run. Raises AdaptiveError for impossible requests; a plan that does not fit is a
+    result (fits=False with suggestions, unless `suggest` is off), not an error."""
+    validate(req)
+    counts = count_params(req.spec)
+    global_tokens = req.global_batch_tokens or default_global_batch_tokens(counts.active)
+    if global_tokens < req.seq_len:
+        raise AdaptiveError(f"--global-batch-tokens ({global_tokens}) must be at least one sequence ({req.seq_len})")
+    host_mem = host_mem_for(req)
+    train_tokens = req.train_tokens or CHINCHILLA_TOKENS_PER_PARAM * counts.active
+    best, evaluated = search(req, req.spec, global_tokens, host_mem)
+    closest = best or min(evaluated, key=_closeness)
+    hours = train_hours(train_tokens, closest.throughput.tokens_per_second)
+    advice = orchestrator_advice(req.spec, counts, req.world_size, hours)
+    suggestions = what_would_fit(req, global_tokens) if suggest and not best else ()
+    return Plan(request=req, counts=counts, best=best, closest=closest,
+                ladder=ladder(req, closest, global_tokens, host_mem), train_tokens=train_tokens,
+                global_batch_tokens=global_tokens, host_mem_bytes=host_mem, orchestrator=advice,
+                suggestions=suggestions, searched=len(evaluated))
+
+
+def what_would_fit(req: FitRequest, global_tokens: int) -> tuple[str, ...]:
+    """When nothing fits: more GPUs of this type, a larger GPU, MoD instead of MoE, a shorter sequence."""
+    out = []
+    free = replace(req, zero_stage=None, offload=None, micro_batch_size=None, grad_accum=None,
+                   gradient_checkpointing=None, ep_size=None, min_seq_len=None)
+    for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        if n <= req.world_size:
+            continue
+        per_node = min(n, 8)
+        trial = replace(free, gpus_per_node=per_node, num_nodes=n // per_node)
+        if best := _best(trial, global_tokens):
+            nodes = f" ({n // per_node} nodes of {per_node})" if n > 8 else ""
+            out.append(f"{n} x {req.gpu.name}{nodes}: {describe(best)}")
+            break
+    for g in sorted(CATALOG.values(), key=lambda g: (g.memory_bytes, g.price_per_hour)):
+        if g.memory_bytes > req.gpu.memory_bytes and (best := _best(replace(free, gpu=g), global_tokens)):
+            out.append(f"a larger GPU, {req.world_size} x {g.name}: {describe(best)}")
+            break
+    spec = req.spec
+    if spec.is_moe and spec.name in PRESETS:
+        if best := _best(replace(free, spec=spec_from_shape(PRESETS[spec.name], "mod")), global_tokens):
+            out.append(f"MoD instead of MoE (--arch mod): {describe(best)}")
+    for seq in (req.seq_len * 3 // 4, req.seq_len // 2, req.seq_len // 4, 512, 256):
+        if 64 <= seq < req.seq_len and (best := _best(replace(free, seq_len=seq), global_tokens)):
+            out.append(f"a shorter sequence, --seq-len {seq}: {describe(best)}")
+            break
+    gpu_only = [c for c in search_all(req, global_tokens) if c.fits_gpu]
+    if gpu_only:
+        need = min(c.memory.host_bytes_per_node for c in gpu_only)
+        out.append(f"CPU offload on a host with {math.ceil(need / 2**30)} GiB of RAM per node (--host-mem)")
+    if not out:
+        out.append("nothing close fits: a smaller model preset")
+    return tuple(out)
+
+
+def search_all(req: FitRequest, global_tokens: int) -> list[Candidate]:
+    return search(req, req.spec, global_tokens, host_mem_for(req))[1]
+
+
+def _best(req: FitRequest, global_tokens: int) -> Candidate | None:
+    return search(req, req.spec, max(global_tokens, req.seq_len), host_mem_for(req))[0]
+
+
+def describe(c: Candidate) -> str:
+    """A one-line summary of a candidate: "ZeRO-2 + offload optimizer, micro-batch 2 x 64, ..." """
+    s = c.setup
+    off = " + offload all" if s.offload_params else " + offload optimizer" if s.offload_optimizer else ""
+    ckpt = ", checkpointing" if s.gradient_checkpointing else ""
+    ep = f", ep_size {s.ep_size}" if s.spec.is_moe else ""
+    return (f"ZeRO-{s.zero_stage}{off}, micro-batch {s.micro_batch_size} x {c.grad_accum} accumulation{ckpt}{ep}, "
+            f"peak {c.memory.peak_gpu_bytes / 2**30:.1f} GiB")
+
+
+def host_mem_for(req: FitRequest) -> int:
+    """Host RAM per node: --host-mem, else an assumed 3x the node's GPU memory (DGX A100: 1 TiB for
+    320 GiB of GPU memory; DGX H100: 2 TiB for 640 GiB)."""
+    return req.host_mem_bytes or HOST_MEM_PER_GPU_MEM * req.gpu.memory_bytes * req.gpus_per_node

@@ -1,0 +1,63 @@
+"""`adaptive compare`: plans for every model x arch x GPU, side by side."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from adaptive.plan.compare import compare as compare_plans
+from adaptive.plan.compare import row_dict
+
+
+def _split(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def compare(
+    model: Annotated[str, typer.Option("--model", "-m", help="Comma-separated presets or config paths.")] = "b1,b7",
+    arch: Annotated[str, typer.Option(help="Comma-separated archs.")] = "dense,moe,mod,hybrid",
+    gpu: Annotated[str, typer.Option("--gpu", "-g", help="Comma-separated GPUs.")] = "t4-16gb,rtx4090-24gb,a100-40gb",
+    gpus: Annotated[int, typer.Option(help="GPUs per node.")] = 1,
+    nodes: Annotated[int, typer.Option(help="Nodes.")] = 1,
+    seq_len: Annotated[int, typer.Option(help="Sequence length.")] = 2048,
+    tokens: Annotated[Optional[float], typer.Option(help="Token budget (default 20 x active params per model).")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
+    csv_output: Annotated[bool, typer.Option("--csv", help="Print CSV.")] = False,
+) -> None:
+    """Compare model x arch x GPU: fits, plan, peak memory, tokens/s, hours, cost, cost per 1B tokens."""
+    rows = compare_plans(_split(model), _split(arch), _split(gpu), gpus=gpus, nodes=nodes, seq_len=seq_len,
+                         tokens=tokens)
+    dicts = [row_dict(r) for r in rows]
+    if json_output:
+        print(json.dumps(dicts, indent=2))
+        return
+    if csv_output:
+        w = csv.DictWriter(sys.stdout, fieldnames=list(dicts[0]))
+        w.writeheader()
+        w.writerows(dicts)
+        return
+    from rich import box
+    from rich.table import Table
+
+    from cli.render import console, duration, gib, human
+
+    t = Table(title="Comparison (estimated; each plan as `adaptive fit` would choose it)", box=box.SIMPLE_HEAD)
+    for col in ("model", "arch", "gpu", "fits", "plan", "peak", "tokens/s", "time", "cost", "$/1B tok", "best"):
+        t.add_column(col, justify="right" if col in ("peak", "tokens/s", "time", "cost", "$/1B tok") else "left")
+    for d in dicts:
+        off = "" if d["offload"] == "none" else f" off:{d['offload']}"
+        plan = (f"Z{d['zero_stage']}{off} mb{d['micro_batch_size']}x{d['gradient_accumulation_steps']}"
+                f"{' ckpt' if d['gradient_checkpointing'] else ''} s{d['seq_len']}")
+        best = " ".join(n for n, k in (("quality", "best_quality"), ("speed", "best_speed"), ("cost", "best_cost"))
+                        if d[k])
+        t.add_row(d["model"], d["arch"], f"{d['num_gpus']}x{d['gpu']}", "yes" if d["fits"] else "[red]no[/red]",
+                  plan, gib(d["peak_gpu_bytes"]), human(d["tokens_per_second"]),
+                  duration(d["train_hours"]) if d["fits"] else "-", f"${d['cost_usd']:,.0f}" if d["fits"] else "-",
+                  f"${d['cost_per_1b_tokens_usd']:,.2f}" if d["fits"] else "-", best)
+    console.print(t)
+    console.print(f"Token budget: {'given' if tokens else '20 x active params per model (Chinchilla)'}. "
+                  "best quality = most active params that fit; speed = most tokens/s; cost = lowest $ per 1B tokens.")

@@ -1,0 +1,128 @@
+"""rich rendering of plans and catalogs. No logic: everything shown comes from the plan objects."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from adaptive.plan.planner import Plan
+
+GiB = 2**30
+# Wide enough for the comparison table when piped; a terminal keeps its own width.
+console = Console(width=None if sys.stdout.isatty() else 160)
+
+PART_LABELS = {
+    "params": "16-bit parameters",
+    "grads": "gradients",
+    "optimizer": "optimizer states (fp32 master, m, v)",
+    "zero3_live_params": "ZeRO-3 gathered layer",
+    "activations": "activations (saved for backward)",
+    "logits_and_loss": "logits and loss (fp32)",
+    "backward_transient": "backward working set",
+    "comm_buckets": "DeepSpeed comm buckets",
+    "fragmentation": "allocator fragmentation (5%)",
+    "cuda_context": "CUDA context (allowance)",
+}
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:,.2f} GiB"
+
+
+def human(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def duration(hours: float) -> str:
+    if hours < 1:
+        return f"{hours * 60:.0f} min"
+    if hours < 48:
+        return f"{hours:.1f} h"
+    return f"{hours / 24:.1f} days"
+
+
+def bar(value: int, capacity: int, width: int = 30) -> Text:
+    filled = min(width, round(width * value / capacity)) if capacity else 0
+    return Text("█" * filled + "·" * (width - filled), style="cyan" if value <= capacity else "red")
+
+
+def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
+    req, c = p.request, p.shown
+    s, t = c.setup, c.throughput
+    spec = req.spec
+    verdict = Text("FITS", style="bold green") if p.fits else Text("DOES NOT FIT", style="bold red")
+    title = Text.assemble(f"{spec.name} {spec.arch} on {req.world_size} x {req.gpu.name}: ", verdict)
+    console.print(title)
+    console.print(f"{human(p.counts.total)} params ({human(p.counts.active)} active), "
+                  f"{'bf16' if req.gpu.bf16 else 'fp16'}, {req.gpu.memory_gib:.1f} GiB per GPU; "
+                  f"{p.searched} configurations searched")
+
+    knobs = Table(title="Plan" if p.fits else "Closest configuration", box=box.SIMPLE_HEAD, show_header=False)
+    knobs.add_column(style="bold")
+    knobs.add_column()
+    offload = "optimizer + params" if s.offload_params else "optimizer" if s.offload_optimizer else "none"
+    for k, v in (("ZeRO stage", s.zero_stage), ("CPU offload", offload), ("micro-batch per GPU", s.micro_batch_size),
+                 ("gradient accumulation", c.grad_accum),
+                 ("global batch", f"{human(s.seq_len * s.micro_batch_size * c.grad_accum * req.world_size)} tokens"),
+                 ("sequence length", s.seq_len), ("activation checkpointing", "on" if s.gradient_checkpointing else "off"),
+                 ("expert-parallel size", s.ep_size if spec.is_moe else "-")):
+        knobs.add_row(k, str(v))
+    console.print(knobs)
+
+    cap = req.gpu.memory_bytes
+    mem = Table(title=f"Predicted memory per GPU: {gib(c.memory.peak_gpu_bytes)} of {gib(cap)}",
+                box=box.SIMPLE_HEAD)
+    mem.add_column("part")
+    mem.add_column("GiB", justify="right")
+    mem.add_column("share of GPU")
+    for part, value in c.memory.parts.items():
+        if value:
+            mem.add_row(PART_LABELS.get(part, part), f"{value / GiB:,.2f}", bar(value, cap))
+    mem.add_row(Text("peak", style="bold"), f"{c.memory.peak_gpu_bytes / GiB:,.2f}", bar(c.memory.peak_gpu_bytes, cap))
+    console.print(mem)
+    if c.memory.host_bytes_per_node:
+        ok = "ok" if c.fits_host else "[red]exceeds[/red]"
+        console.print(f"Host RAM for offload: {gib(c.memory.host_bytes_per_node)} per node "
+                      f"({ok} against {gib(p.host_mem_bytes)}; --host-mem)")
+
+    speed = Table(title="Speed, time and cost (estimated)", box=box.SIMPLE_HEAD, show_header=False)
+    speed.add_column(style="bold")
+    speed.add_column()
+    speed.add_row("tokens/s (all GPUs)", f"{t.tokens_per_second:,.0f}")
+    speed.add_row("MFU", f"{t.mfu:.1%} predicted (compute at {t.utilisation:.0%} of peak assumed; --mfu)")
+    speed.add_row("step time", f"{t.step_seconds:.2f} s (compute {t.compute_seconds:.2f}, comm {t.comm_seconds:.2f}, "
+                  f"all-to-all {t.alltoall_seconds:.2f}, offload {t.offload_seconds:.2f})")
+    speed.add_row("training tokens", f"{human(p.train_tokens)}"
+                  + ("" if req.train_tokens else " (20 x active params)"))
+    speed.add_row("time", duration(p.hours))
+    speed.add_row("cost", f"${p.cost:,.2f} at ${req.gpu.price_per_hour:.2f}/GPU-hour "
+                  f"(${p.cost / p.train_tokens * 1e9:,.2f} per 1B tokens)")
+    console.print(speed)
+
+    lad = Table(title="OOM playbook with our numbers (micro-batch 1)", box=box.SIMPLE_HEAD)
+    lad.add_column("step")
+    lad.add_column("peak", justify="right")
+    lad.add_column("fits")
+    for step in p.ladder:
+        verdict = "yes" if step.fits else "no (host RAM)" if step.fits_gpu else "no"
+        lad.add_row(step.change, gib(step.peak_gpu_bytes), Text(verdict, style="" if step.fits else "red"))
+    console.print(lad)
+
+    o = p.orchestrator
+    console.print(f"Orchestrator: {'[green]on[/green]' if o.recommended else 'off'} ({o.reason})")
+    if p.suggestions:
+        console.print("[bold]What would fit:[/bold]")
+        for sug in p.suggestions:
+            console.print(f"  - {sug}")
+    if files:
+        console.print("Wrote " + ", ".join(str(f) for f in files.values()))
+        console.print(f"Launch: accelerate launch --config_file {files['accelerate_config']} recipes/<recipe>.py "
+                      f"--ds-config {files['ds_config']}")

@@ -1,0 +1,133 @@
+"""The `adaptive` command as a user runs it: exit codes, one-line errors, JSON, files, no torch."""
+
+import csv
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from adaptive.plan import ARCHS, PRESETS, count_params, preset_spec
+from tests.conftest import subprocess_env
+
+JSON_KEYS = {"fits", "model", "arch", "gpu", "num_gpus", "params_total", "params_active", "zero_stage",
+             "offload_optimizer", "offload_params", "micro_batch_size", "gradient_accumulation_steps", "seq_len",
+             "gradient_checkpointing", "ep_size", "memory", "peak_gpu_bytes", "gpu_capacity_bytes", "host_bytes",
+             "tokens_per_second", "mfu_assumed", "train_tokens", "train_hours", "cost_usd", "ladder", "orchestrator"}
+
+
+def adaptive(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True,
+                          env=subprocess_env(COLUMNS="200"), timeout=60)
+
+
+def test_fit_imports_no_torch_deepspeed_or_transformers():
+    code = ("import sys; from cli.main import run; rc = run(['fit', '--model', 'b7', '--gpu', 'a100-40gb', '--json']);"
+            "heavy = [m for m in ('torch', 'deepspeed', 'transformers', 'accelerate', 'datasets') if m in sys.modules];"
+            "print('HEAVY', heavy, rc, file=sys.stderr)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    assert "HEAVY [] 1" in r.stderr, r.stderr  # b7 dense does not fit one A100-40GB with default host RAM
+
+
+def test_fit_json_has_the_documented_schema_and_consistent_numbers():
+    r = adaptive("fit", "--model", "b1", "--gpu", "a100-80gb", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert JSON_KEYS <= set(d)
+    assert {"params", "grads", "optimizer", "activations"} <= set(d["memory"])
+    assert sum(d["memory"].values()) == d["peak_gpu_bytes"] <= d["gpu_capacity_bytes"]
+    assert d["params_total"] == count_params(preset_spec("b1")).total
+    assert d["cost_usd"] == pytest.approx(d["train_hours"] * 1.79)
+    assert all({"change", "peak_gpu_bytes", "fits"} <= set(step) for step in d["ladder"])
+    assert set(d["orchestrator"]) == {"recommended", "reason"}
+
+
+def test_fit_exit_code_is_1_when_nothing_fits_and_says_what_would():
+    r = adaptive("fit", "--model", "b70", "--gpu", "t4")
+    assert r.returncode == 1
+    assert "DOES NOT FIT" in r.stdout and "What would fit" in r.stdout
+
+
+def test_fit_human_output_shows_plan_breakdown_ladder_cost_and_orchestrator():
+    r = adaptive("fit", "--model", "b7", "--gpu", "h100", "--gpus", "8")
+    assert r.returncode == 0, r.stderr
+    for text in ("FITS", "ZeRO stage", "activations", "optimizer states", "OOM playbook", "cost", "Orchestrator"):
+        assert text in r.stdout
+
+
+def test_out_writes_the_three_files(tmp_path):
+    r = adaptive("fit", "--model", "debug", "--arch", "moe", "--gpu", "t4", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert {p.name for p in tmp_path.iterdir()} == {"ds_config.json", "accelerate_config.yaml", "plan.json"}
+    assert "fp16" in json.loads((tmp_path / "ds_config.json").read_text())
+
+
+@pytest.mark.parametrize("args,message", [
+    (["fit", "--model", "b7", "--gpu", "a100-41gb"], "unknown GPU 'a100-41gb'; did you mean a100-40gb?"),
+    (["fit", "--model", "b8", "--gpu", "a100"], "unknown model 'b8'; did you mean b7?"),
+    (["fit", "--model", "b7", "--gpu", "a100", "--arch", "hybird"], "unknown arch 'hybird'; did you mean hybrid?"),
+    (["fit", "--model", "b7", "--gpu", "a100", "--gpus", "0"], "--gpus must be positive, got 0"),
+    (["fit", "--model", "b7", "--gpu", "a100", "--seq-len", "-5"], "--seq-len must be positive, got -5"),
+    (["fit", "--model", "b7", "--gpu", "a100", "--mfu", "1.5"], "--mfu"),
+    (["fit", "--model", "b7", "--gpu", "a100", "--gpus", "two"], "Invalid value for '--gpus'"),
+    (["fit", "--model", "b1", "--arch", "moe", "--gpu", "a100", "--zero", "3"], "refuses ZeRO stage 3"),
+    (["fit", "--model", "b7", "--gpu-mem", "24"], "--gpu-tflops"),
+    (["compare", "--model", "b1", "--gpu", "v100"], "unknown GPU 'v100'"),
+])
+def test_bad_input_exits_2_with_one_line_and_no_traceback(args, message):
+    r = adaptive(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_malformed_config_json_exits_2(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    r = adaptive("fit", "--model", str(bad), "--gpu", "a100")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "malformed config.json" in r.stderr
+
+
+def test_fit_accepts_an_hf_config_json(tmp_path):
+    cfg = dict(model_type="mixtral", vocab_size=32000, hidden_size=1024, intermediate_size=3584,
+               num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, num_local_experts=8,
+               num_experts_per_tok=2)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    r = adaptive("fit", "--model", str(path), "--gpu", "a100-80gb", "--json")
+    d = json.loads(r.stdout)
+    assert d["arch"] == "moe" and d["zero_stage"] != 3 and d["params_total"] > d["params_active"]
+
+
+def test_models_json_lists_every_preset_and_arch_with_exact_counts():
+    r = adaptive("models", "--json")
+    rows = json.loads(r.stdout)
+    assert {(x["model"], x["arch"]) for x in rows} == {(m, a) for m in PRESETS for a in ARCHS}
+    for x in rows:
+        c = count_params(preset_spec(x["model"], x["arch"]))
+        assert (x["params_total"], x["params_active"]) == (c.total, c.active)
+    table = adaptive("models").stdout
+    assert "b70" in table and "hybrid" in table
+
+
+def test_gpus_lists_the_catalog():
+    r = adaptive("gpus")
+    for name in ("t4-16gb", "h100-pcie-80gb", "mi300x-192gb", "b200-180gb"):
+        assert name in r.stdout
+    assert len(json.loads(adaptive("gpus", "--json").stdout)) >= 13
+
+
+def test_compare_marks_bests_and_prints_csv_and_json():
+    r = adaptive("compare", "--model", "b1,b7", "--arch", "dense,mod", "--gpu", "rtx4090,a100-80gb", "--json")
+    rows = json.loads(r.stdout)
+    assert len(rows) == 8
+    fitting = [x for x in rows if x["fits"]]
+    assert sum(x["best_cost"] for x in rows) == 1
+    cheapest = min(fitting, key=lambda x: x["cost_per_1b_tokens_usd"])
+    assert cheapest["best_cost"]
+    assert max(fitting, key=lambda x: x["tokens_per_second"])["best_speed"]
+    out = adaptive("compare", "--model", "b1", "--arch", "dense", "--gpu", "t4", "--csv").stdout
+    assert next(csv.DictReader(io.StringIO(out)))["model"] == "b1"

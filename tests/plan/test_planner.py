@@ -1,0 +1,107 @@
+"""The planner's choices: MoE never on ZeRO-3, pinned knobs honoured, ladder falling, global batch kept."""
+
+import pytest
+
+from adaptive.errors import AdaptiveError
+from adaptive.plan import CATALOG, fit, make_request
+from adaptive.plan.planner import default_global_batch_tokens
+
+
+@pytest.mark.parametrize("name", ["debug", "b1", "b7", "b30"])
+@pytest.mark.parametrize("arch", ["moe", "hybrid"])
+@pytest.mark.parametrize("gpu,gpus", [("t4", 1), ("a100-80gb", 8), ("h100", 8)])
+def test_moe_never_gets_zero3(name, arch, gpu, gpus):
+    plan = fit(make_request(model=name, arch=arch, gpu=gpu, gpus=gpus), suggest=False)
+    assert plan.shown.setup.zero_stage != 3
+
+
+def test_pinning_zero3_for_moe_is_refused_with_the_reason():
+    with pytest.raises(AdaptiveError, match="refuses ZeRO stage 3"):
+        fit(make_request(model="b1", arch="moe", gpu="a100-80gb", zero=3))
+
+
+@pytest.mark.parametrize("model,arch,gpu", [("b7", "dense", "a100-40gb"), ("b1", "moe", "rtx4090"),
+                                            ("b7", "hybrid", "h100"), ("debug_200m", "mod", "t4")])
+def test_ladder_peaks_decrease_step_by_step(model, arch, gpu):
+    plan = fit(make_request(model=model, arch=arch, gpu=gpu), suggest=False)
+    peaks = [s.peak_gpu_bytes for s in plan.ladder]
+    assert len(peaks) >= 4
+    assert all(b < a for a, b in zip(peaks, peaks[1:])), peaks
+
+
+def test_chosen_plan_fits_and_is_the_fastest_fitting_candidate():
+    plan = fit(make_request(model="b1", gpu="a100-80gb", gpus=8))
+    assert plan.fits and plan.best.memory.peak_gpu_bytes <= CATALOG["a100-80gb"].memory_bytes
+    # pinning any other setting can only be slower or equal
+    for kwargs in ({"zero": 3}, {"offload": "optimizer"}, {"checkpointing": True}, {"micro_batch": 1}):
+        other = fit(make_request(model="b1", gpu="a100-80gb", gpus=8, **kwargs), suggest=False)
+        if other.fits:
+            assert other.best.throughput.tokens_per_second <= plan.best.throughput.tokens_per_second * (1 + 1e-9)
+
+
+def test_global_batch_tokens_is_kept_through_accumulation():
+    for micro in (1, 2, 4):
+        plan = fit(make_request(model="b1", gpu="a100-80gb", gpus=4, micro_batch=micro,
+                                global_batch_tokens=1024 * 1024), suggest=False)
+        c = plan.shown
+        assert c.setup.micro_batch_size == micro
+        assert c.setup.seq_len * micro * c.grad_accum * 4 == 1024 * 1024
+
+
+def test_pinned_combination_that_cannot_fit_is_reported_with_its_peak():
+    plan = fit(make_request(model="b7", gpu="rtx4090", zero=0, micro_batch=8, checkpointing=False))
+    assert not plan.fits
+    assert plan.shown.setup.zero_stage == 0 and plan.shown.setup.micro_batch_size == 8
+    assert plan.shown.memory.peak_gpu_bytes > CATALOG["rtx4090-24gb"].memory_bytes
+    assert plan.suggestions
+
+
+def test_shorter_sequences_only_when_min_seq_len_allows():
+    tight = dict(model="b1", gpu="t4", zero=2, offload="none", micro_batch=1)
+    assert not fit(make_request(**tight), suggest=False).fits
+    plan = fit(make_request(**tight, min_seq_len=256, checkpointing=False), suggest=False)
+    if plan.fits:
+        assert 256 <= plan.best.setup.seq_len < 2048
+
+
+def test_nothing_fits_suggests_more_gpus_and_a_larger_gpu():
+    plan = fit(make_request(model="b7", gpu="a100-40gb", host_mem_gib=64))
+    assert not plan.fits
+    text = " ".join(plan.suggestions)
+    assert "x a100-40gb" in text and "larger GPU" in text
+
+
+def test_moe_that_does_not_fit_suggests_mod():
+    plan = fit(make_request(model="b1", arch="moe", gpu="rtx4090", host_mem_gib=64))
+    assert not plan.fits
+    assert any("MoD instead of MoE" in s for s in plan.suggestions)
+
+
+def test_expert_parallel_size_divides_experts_and_gpus():
+    plan = fit(make_request(model="b1", arch="moe", gpu="h100", gpus=8), suggest=False)
+    ep = plan.shown.setup.ep_size
+    assert 8 % ep == 0
+    with pytest.raises(AdaptiveError, match=r"num_experts \(8\) must be divisible by ep_size \(3\)"):
+        fit(make_request(model="b1", arch="moe", gpu="h100", gpus=6, ep_size=3))
+
+
+def test_default_global_batch_grows_with_size():
+    sizes = [default_global_batch_tokens(n) for n in (5e5, 2e8, 1e9, 7e9, 70e9)]
+    assert sizes == sorted(sizes) and sizes[2] == 512 * 1024 and sizes[3] == 1024 * 1024
+
+
+def test_orchestrator_advice_follows_the_decision_guide():
+    def advice(**kw):
+        return fit(make_request(**kw), suggest=False).orchestrator
+
+    assert advice(model="b1", arch="moe", gpu="a100-80gb").recommended  # MoE routing
+    assert advice(model="b70", gpu="h100", gpus=8, nodes=4).recommended  # 70B, 32 GPUs
+    small = advice(model="b1", gpu="a100-80gb", tokens=1e9)
+    assert not small.recommended and "single GPU" in small.reason
+    assert not advice(model="debug", arch="moe", gpu="t4").recommended  # debugging
+
+
+def test_cost_is_hours_times_gpus_times_price():
+    plan = fit(make_request(model="b1", gpu="h100", gpus=8, price=2.0, tokens=1e10))
+    assert plan.cost == pytest.approx(plan.hours * 8 * 2.0)
+    assert plan.hours == pytest.approx(1e10 / plan.best.throughput.tokens_per_second / 3600)
