@@ -10,14 +10,18 @@ Two paths share one contract:
   shuffled with a buffer, split across ranks with `datasets.distributed.split_dataset_by_node`,
   then tokenized and packed on the fly per rank. Resuming at sample i re-reads and re-tokenizes
   the first i blocks of this rank's stream and throws them away: the cost is the data-loading part
-  of the steps being skipped (no model compute), dominated by download and tokenization.
+  of the steps being skipped (no model compute), dominated by download and tokenization. Measured
+  here (one process, 2-core CPU, built-in tokenizer, local text): about 0.4M tokens/s, so skipping
+  100M tokens per rank takes about 4 minutes; C4 adds its download time on top.
 
 The sample order, for a rank, is a pure function of (data, seed, rank, world_size):
 
 * Map-style: this rank's sample i is global sample g = i * world_size + rank; global sample g is
   block perm_e[g mod n] of epoch e = g // n, where perm_e is a permutation seeded by (seed, e).
   So ranks are disjoint within an epoch and together cover every training block, and every epoch
-  has a fresh deterministic order.
+  has a fresh deterministic order. The split does not depend on world_size, so the global order is
+  the same on any number of ranks (a resume on another world size continues it when the global
+  sample count divides evenly).
 * Streaming: the order `datasets` gives for the shuffle seed `seed + epoch`, this rank's part.
 
 Resume contract: a rank that has consumed i samples (i = step * micro_batch_size * accumulation
@@ -28,6 +32,7 @@ uninterrupted iterator would have given from i on, in the same micro-batches.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -390,10 +395,9 @@ class StreamingPackedDataset:
             yield row["text"]
 
     def _token_chunks(self, epoch: int) -> Iterator[list[int]]:
-        self.texts.set_epoch(epoch)
-        for batch in self.texts.iter(batch_size=_ENCODE_BATCH):
-            for ids in _encode(self.tokenizer, batch["text"]):
-                yield ids
+        docs = self.documents(epoch)
+        while batch := list(itertools.islice(docs, _ENCODE_BATCH)):
+            yield from _encode(self.tokenizer, batch)
 
     def blocks(self, start: int = 0) -> Iterator[np.ndarray]:
         """Blocks from index `start` on; skipping reads and tokenizes the skipped text (no shortcut)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -264,7 +265,7 @@ def test_streaming_resume_and_seed_behave_like_map_style(tmp_path, tokenizer, da
     resumed = [b["input_ids"] for b in itertools.islice(batches(train, 2, start_sample=14), steps - 7)]
     assert all(a.equal(b) for a, b in zip(full, again))
     assert all(a.equal(b) for a, b in zip(full[7:], resumed)) and len(resumed) == steps - 7
-    other = build_datasets(DataConfig(**{**c.__dict__, "seed": 1}), tokenizer)[0]
+    other = build_datasets(dataclasses.replace(c, seed=1), tokenizer)[0]
     assert not next(batches(other, 8))["input_ids"].equal(next(batches(train, 8))["input_ids"])
     assert list(train.documents(0)) != list(train.documents(1))  # reshuffled per epoch
 
