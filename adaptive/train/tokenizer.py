@@ -119,7 +119,8 @@ def load_tokenizer(name_or_path: str | None, vocab_size: int = DEFAULT_VOCAB_SIZ
     """A fast tokenizer with eos, bos and pad set.
 
     None → the built-in byte-level BPE (`vocab_size` tokens at most). Otherwise a local folder or a
-    hub name, through `AutoTokenizer.from_pretrained`. A tokenizer without a pad token gets eos as
+    hub name, through `AutoTokenizer.from_pretrained` (`vocab_size` does not apply; check the
+    result against the model with `require_fits_vocab`). A folder that exists wins over a hub name. A tokenizer without a pad token gets eos as
     pad, and one without bos gets eos as bos (the GPT-2 convention); one without eos is refused,
     because packing separates documents with it.
     """
@@ -152,6 +153,15 @@ def load_tokenizer(name_or_path: str | None, vocab_size: int = DEFAULT_VOCAB_SIZ
     return tokenizer
 
 
+def require_fits_vocab(tokenizer: PreTrainedTokenizerFast, model_vocab_size: int) -> None:
+    """Refuse a tokenizer whose ids would index past the model's embedding (a larger model vocab is fine)."""
+    if len(tokenizer) > model_vocab_size:
+        raise AdaptiveError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model_vocab_size}; "
+            f"use a model vocab of at least {len(tokenizer)} or a smaller tokenizer"
+        )
+
+
 __all__ = [
     "DEFAULT_CORPUS",
     "DEFAULT_VOCAB_SIZE",
@@ -161,5 +171,6 @@ __all__ = [
     "cache_root",
     "default_tokenizer_dir",
     "load_tokenizer",
+    "require_fits_vocab",
     "train_bpe",
 ]

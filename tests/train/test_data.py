@@ -371,3 +371,22 @@ def test_shipped_corpus_is_small_and_enough_for_debug_runs(tokenizer, datasets_c
         train, evaluation = build_datasets(DataConfig(None, seq_len=seq_len, cache_dir=datasets_cache), tokenizer)
         # A few dozen debug steps at micro-batch 8 fit in one epoch, with eval blocks held out.
         assert train.num_blocks >= 48 * 8 and evaluation.num_blocks >= 8
+
+
+def test_two_real_processes_get_disjoint_shards(tmp_path, adaptive_cache, tokenizer):
+    """torchrun, two ranks over gloo: each builds its own shard; rank 0 checks what both got.
+
+    The `tokenizer` fixture has already built the tokenizer into the shared cache."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ADAPTIVE_CACHE": str(adaptive_cache), "OMP_NUM_THREADS": "1"}
+    script = Path(__file__).with_name("_two_rank_data.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_closed_port()),
+           str(script), str(tmp_path / "hf")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    rank0, rank1 = map(set, result["indices"])
+    n = result["num_blocks"]
+    assert not rank0 & rank1 and len(rank0) == len(rank1) == n // 2
+    assert len(rank0 | rank1) == n - n % 2  # only an odd block out is left to the next epoch
+    assert result["eval_counts"][0] == result["eval_counts"][1] > 0
+    assert not result["first_batches_equal"]

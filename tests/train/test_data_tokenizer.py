@@ -12,6 +12,7 @@ from adaptive.train.tokenizer import (
     build_default_tokenizer,
     default_tokenizer_dir,
     load_tokenizer,
+    require_fits_vocab,
     train_bpe,
 )
 
@@ -72,3 +73,10 @@ def test_bad_tokenizer_names_are_one_line_errors(tmp_path):
     assert "\n" not in str(err.value)
     with pytest.raises(AdaptiveError, match="at least 258"):
         train_bpe(DEFAULT_CORPUS, 100)
+
+
+def test_model_vocab_must_cover_the_tokenizer(tokenizer):
+    require_fits_vocab(tokenizer, 2048)
+    require_fits_vocab(tokenizer, 32000)  # a bigger embedding than the tokenizer is fine
+    with pytest.raises(AdaptiveError, match="2048 tokens but the model's vocab_size is 2000"):
+        require_fits_vocab(tokenizer, 2000)
