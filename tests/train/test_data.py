@@ -20,7 +20,6 @@ from adaptive.train.data import (
     C4,
     DEFAULT_CORPUS,
     DataConfig,
-    PackedDataset,
     SampleIterator,
     batches,
     build_datasets,
