@@ -18,7 +18,8 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 
 PART_LABELS = {
     "params": "16-bit parameters",
-    "grads": "gradients",
+    "grads": "gradients (16-bit + fp32)",
+    "zero3_grad_partition": "ZeRO-3 16-bit gradient partition",
     "optimizer": "optimizer states (fp32 master, m, v)",
     "zero3_live_params": "ZeRO-3 gathered layer",
     "activations": "activations (saved for backward)",
@@ -27,6 +28,13 @@ PART_LABELS = {
     "comm_buckets": "DeepSpeed comm buckets",
     "fragmentation": "allocator fragmentation (5%)",
     "cuda_context": "CUDA context (allowance)",
+}
+# When each part is alive during a step; the peak sums only parts alive at the same moment.
+PART_WHEN = {
+    "params": "whole step", "optimizer": "whole step", "comm_buckets": "whole step",
+    "zero3_grad_partition": "whole step", "grads": "optimizer step", "zero3_live_params": "backward",
+    "activations": "backward", "logits_and_loss": "backward", "backward_transient": "backward",
+    "fragmentation": "allowance", "cuda_context": "allowance",
 }
 
 
@@ -81,13 +89,21 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
     mem = Table(title=f"Predicted memory per GPU: {gib(c.memory.peak_gpu_bytes)} of {gib(cap)}",
                 box=box.SIMPLE_HEAD)
     mem.add_column("part")
+    mem.add_column("alive during")
     mem.add_column("GiB", justify="right")
     mem.add_column("share of GPU")
-    for part, value in c.memory.parts.items():
+    m = c.memory
+    for part, value in m.parts.items():
         if value:
-            mem.add_row(PART_LABELS.get(part, part), f"{value / GiB:,.2f}", bar(value, cap))
-    mem.add_row(Text("peak", style="bold"), f"{c.memory.peak_gpu_bytes / GiB:,.2f}", bar(c.memory.peak_gpu_bytes, cap))
+            when = PART_WHEN.get(part, "")
+            if part == "grads" and s.zero_stage in (1, 2) and not s.offload_optimizer:
+                when = "16-bit: whole step; fp32: optimizer step"
+            mem.add_row(PART_LABELS.get(part, part), when, f"{value / GiB:,.2f}", bar(value, cap))
+    mem.add_row(Text("peak", style="bold"), m.peak_phase.replace("_", " "), f"{m.peak_gpu_bytes / GiB:,.2f}",
+                bar(m.peak_gpu_bytes, cap))
     console.print(mem)
+    console.print(f"peak = whole step {gib(m.persistent_bytes)} + max(backward {gib(m.backward_bytes)}, "
+                  f"optimizer step {gib(m.step_bytes)}) + allowances")
     if c.memory.host_bytes_per_node:
         ok = "ok" if c.fits_host else "[red]exceeds[/red]"
         console.print(f"Host RAM for offload: {gib(c.memory.host_bytes_per_node)} per node "

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from adaptive.plan import memory as mem
 from adaptive.plan.gpus import GPU
-from adaptive.plan.memory import TrainSetup
+from adaptive.plan.memory import TrainSetup, reduce_bucket_elements
+from adaptive.plan.params import count_params
 from adaptive.plan.planner import Candidate, Plan
 
 GRADIENT_CLIPPING = 1.0
@@ -26,7 +27,7 @@ def ds_config(setup: TrainSetup, grad_accum: int, gpu: GPU) -> dict:
     zero: dict = {"stage": setup.zero_stage}
     if setup.zero_stage > 0:
         zero.update(overlap_comm=True, contiguous_gradients=True,
-                    reduce_bucket_size=mem.REDUCE_BUCKET_ELEMENTS)
+                    reduce_bucket_size=reduce_bucket_elements(count_params(setup.spec)))
     if setup.zero_stage in (1, 2):
         zero.update(allgather_bucket_size=mem.ALLGATHER_BUCKET_ELEMENTS, reduce_scatter=True)
     if setup.zero_stage == 3:
@@ -107,6 +108,10 @@ def candidate_dict(c: Candidate) -> dict:
         "gradient_checkpointing": s.gradient_checkpointing,
         "ep_size": s.ep_size,
         "memory": dict(c.memory.parts),
+        "memory_phases": {"persistent": c.memory.persistent_bytes, "backward": c.memory.backward_bytes,
+                          "optimizer_step": c.memory.step_bytes, "peak_phase": c.memory.peak_phase},
+        "activation_bytes": c.memory.parts["activations"],
+        "model_state_bytes": c.memory.model_state_bytes,
         "peak_gpu_bytes": c.memory.peak_gpu_bytes,
         "host_bytes": c.memory.host_bytes_per_node,
         "fits_gpu": c.fits_gpu,

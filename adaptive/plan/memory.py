@@ -58,40 +58,66 @@ class TrainSetup:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    parts: dict[str, int]  # part -> bytes per GPU; they sum to peak_gpu_bytes
-    peak_gpu_bytes: int
+    """Every part at its full size, and the peak, which counts only parts that coexist.
+
+    A step has two moments that can peak: the start of backward (persistent states + activations,
+    logits and the backward working set) and the optimizer step (persistent states + the gradients
+    DeepSpeed materialises for it). Measured on DeepSpeed's own ZeRO code (tests/plan), the two
+    never overlap, so peak = persistent + max(backward, optimizer step) + allowances.
+    """
+
+    parts: dict[str, int]  # part -> bytes per GPU, each at its full size
+    persistent_bytes: int  # held for the whole step
+    backward_bytes: int  # on top of persistent at the start of backward
+    step_bytes: int  # on top of persistent during the optimizer step
+    peak_gpu_bytes: int  # persistent + max(backward, step) + fragmentation + CUDA context
     host_bytes_per_node: int  # CPU RAM the offloaded states need on each node (0 without offload)
 
     @property
-    def peak_without_context_bytes(self) -> int:
-        return self.peak_gpu_bytes - self.parts["cuda_context"]
+    def peak_phase(self) -> str:
+        return "backward" if self.backward_bytes >= self.step_bytes else "optimizer_step"
+
+    @property
+    def allocated_peak_bytes(self) -> int:
+        """The peak without the allowances: what `torch.cuda.max_memory_allocated` would show."""
+        return self.persistent_bytes + max(self.backward_bytes, self.step_bytes)
+
+    @property
+    def model_state_bytes(self) -> int:
+        """params + grads + optimizer (+ ZeRO-3 gathered layer): DeepSpeed's estimator's quantity."""
+        return sum(self.parts[k] for k in ("params", "grads", "optimizer", "zero3_live_params"))
+
+
+def _sizes(setup: TrainSetup, c: ParamCounts) -> tuple[float, float]:
+    """(16-bit params held per GPU, params in this GPU's ZeRO partition).
+
+    Expert parameters live on ep_size-way shards: each GPU holds E/ep experts, and their ZeRO
+    partition runs over the expert-data-parallel group of world/ep GPUs, so every parameter's
+    optimizer state ends up split n ways.
+    """
+    dense = c.total - c.expert
+    local = dense + c.expert / setup.ep_size
+    partition = c.total / setup.world_size
+    return local, partition
 
 
 def model_state_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> dict[str, int]:
-    """16-bit params, gradients and optimizer states per GPU, and the ZeRO-3 live-layer buffer.
+    """16-bit params, gradients and optimizer states per GPU, and the ZeRO-3 gathered layer.
 
-    Byte multipliers per parameter (DeepSpeed's estimators and ZeRO paper): 2 for 16-bit params;
-    ZeRO-2 grads 6 = 2 (16-bit) + 4 (fp32 partition); optimizer 12 = fp32 master 4 + Adam m 4 + v 4.
-    ZeRO-3 keeps 18 bytes/param in all (DeepSpeed's figure): params 2, grads 4, optimizer 12, each
-    over N, plus 4 bytes x the largest layer gathered at once.
-    Expert parameters live on ep_size-way shards: each GPU holds E/ep experts, and their ZeRO
-    partition runs over the expert-data-parallel group of world/ep GPUs.
+    DeepSpeed's accounting (its estimators, ZeRO paper), bytes per parameter: 2 for 16-bit params;
+    optimizer 12 = fp32 master 4 + Adam m 4 + v 4 over the partition; grads 6 over the partition for
+    ZeRO-1/2 (16-bit partition 2 + fp32 4), 4 for ZeRO-3 (the fp32 copy; the 16-bit partition is the
+    separate `zero3_grad_partition` part, which DeepSpeed's ZeRO-3 estimate leaves out); ZeRO-0
+    keeps full 16-bit grads (2) and builds full fp32 grads (4) for the step. ZeRO-3 gathers up to
+    4 bytes x the largest layer.
     """
     c = counts or count_params(setup.spec)
-    n = setup.world_size
-    ep = setup.ep_size
-    dense = c.total - c.expert
-    # 16-bit copies held per GPU: all dense params, 1/ep of the experts
-    local = dense + c.expert / ep
-    # ZeRO partitions: dense over n GPUs, experts (already /ep) over n/ep expert-DP ranks -> c.expert/n
-    partition = dense / n + c.expert / n
+    local, partition = _sizes(setup, c)
     stage = setup.zero_stage
     live = 0.0
     if stage == 0:
         params, grads, optim = 2 * local, 6 * local, 12 * local
-    elif stage == 1:
-        params, grads, optim = 2 * local, 2 * local + 4 * partition, 12 * partition
-    elif stage == 2:
+    elif stage in (1, 2):
         params, grads, optim = 2 * local, 6 * partition, 12 * partition
     elif stage == 3:
         params, grads, optim = 2 * partition, 4 * partition, 12 * partition
@@ -99,10 +125,10 @@ def model_state_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> d
     else:
         raise ValueError(f"zero_stage must be 0-3, got {stage}")
     if setup.offload_optimizer:
-        # grads go to the CPU in buckets; fp32 master, moments and grads live in host RAM
+        # grads stream to the CPU in buckets; fp32 master, moments and grads live in host RAM
         grads, optim = 0.0, 0.0
     if setup.offload_params:
-        params = 0.0  # ZeRO-3 fetches each layer from host RAM into the live buffer
+        params = 0.0  # ZeRO-3 fetches each layer from host RAM into the gathered-layer buffer
     return {"params": int(params), "grads": int(grads), "optimizer": int(optim),
             "zero3_live_params": int(live)}
 
@@ -120,24 +146,34 @@ def host_bytes_per_node(setup: TrainSetup, counts: ParamCounts | None = None) ->
     return int(p * max(4 * setup.world_size, 16) * HOST_BUFFER_FACTOR / setup.num_nodes)
 
 
+def reduce_bucket_elements(counts: ParamCounts) -> int:
+    """The gradient bucket we configure: 200M elements, or the model size if smaller."""
+    return min(REDUCE_BUCKET_ELEMENTS, counts.total)
+
+
 def comm_buffer_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> int:
     """DeepSpeed's communication buckets, capped by the size of what they carry."""
     c = counts or count_params(setup.spec)
     b = setup.bytes_per_param
     if setup.zero_stage in (1, 2):
-        # gradient reduce bucket (16-bit) + parameter all-gather bucket after the step
-        reduce = min(REDUCE_BUCKET_ELEMENTS, c.total) * b
+        # DeepSpeed allocates the whole configured gradient reduce bucket (16-bit) up front, twice
+        # with overlap_comm (double-buffered; measured: tests/plan/test_memory_measured_deepspeed.py),
+        # and an all-gather bucket for the updated params when there is more than one GPU.
+        reduce = 2 * reduce_bucket_elements(c) * b
         gather = min(ALLGATHER_BUCKET_ELEMENTS, c.total) * b if setup.world_size > 1 else 0
         return int(reduce + gather)
     if setup.zero_stage == 3:
-        return int(min(REDUCE_BUCKET_ELEMENTS, c.total) * b + min(STAGE3_PREFETCH_ELEMENTS, c.total) * b)
+        return int(reduce_bucket_elements(c) * b + min(STAGE3_PREFETCH_ELEMENTS, c.total) * b)
     return 0
 
 
 def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
-    """The per-GPU peak of a training step and its parts."""
+    """The per-GPU peak of a training step, its parts, and when it happens."""
     counts = count_params(setup.spec)
+    _, partition = _sizes(setup, counts)
     parts = model_state_bytes(setup, counts)
+    offload = setup.offload_optimizer
+    parts["zero3_grad_partition"] = int(2 * partition) if setup.zero_stage == 3 and not offload else 0
     parts["activations"] = activation_bytes(setup.spec, setup.seq_len, setup.micro_batch_size,
                                             setup.gradient_checkpointing, setup.capacity_factor,
                                             setup.ep_size)
@@ -145,8 +181,19 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
     parts["backward_transient"] = transient_bytes(setup.spec, setup.seq_len, setup.micro_batch_size,
                                                   setup.gradient_checkpointing, setup.capacity_factor)
     parts["comm_buckets"] = comm_buffer_bytes(setup, counts)
-    allocated = sum(parts.values())
+
+    # Which gradient bytes persist: ZeRO-1/2 keep a 16-bit partition buffer between steps and build
+    # the fp32 copy only for the step; ZeRO-0 frees its 16-bit grads after each step.
+    grads_persistent = 2 * partition if setup.zero_stage in (1, 2) and not offload else 0
+    persistent = (parts["params"] + parts["optimizer"] + parts["comm_buckets"] + parts["zero3_grad_partition"]
+                  + grads_persistent)
+    backward = (parts["activations"] + parts["logits_and_loss"] + parts["backward_transient"]
+                + parts["zero3_live_params"])
+    step = parts["grads"] - grads_persistent
+    allocated = persistent + max(backward, step)
     parts["fragmentation"] = int(math.ceil(FRAGMENTATION * allocated))
     parts["cuda_context"] = CUDA_CONTEXT_BYTES
-    return MemoryEstimate(parts=parts, peak_gpu_bytes=sum(parts.values()),
+    return MemoryEstimate(parts=parts, persistent_bytes=int(persistent), backward_bytes=int(backward),
+                          step_bytes=int(step),
+                          peak_gpu_bytes=int(allocated + parts["fragmentation"] + parts["cuda_context"]),
                           host_bytes_per_node=host_bytes_per_node(setup, counts))

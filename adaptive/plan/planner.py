@@ -270,14 +270,19 @@ def ladder(req: FitRequest, chosen: Candidate, global_tokens: int, host_mem: int
     spec = req.spec
     steps = [step(f"naive: micro-batch 1, seq {req.seq_len}, no checkpointing, ZeRO-{zero}"
                   + (f" + offload {off}" if off != "none" else ""), spec, req.seq_len, False)]
-    steps.append(step("+ gradient checkpointing", spec, req.seq_len, True))
+    remedies = [("+ gradient checkpointing", spec, req.seq_len, True)]
     if spec.is_moe and spec.name in PRESETS:
         spec = spec_from_shape(PRESETS[spec.name], "mod")
-        steps.append(step("+ MoD instead of MoE", spec, req.seq_len, True))
+        remedies.append(("+ MoD instead of MoE", spec, req.seq_len, True))
     for frac in (0.75, 0.5):
         seq = max(64, int(req.seq_len * frac) // 64 * 64)
         if seq < req.seq_len:
-            steps.append(step(f"+ sequence {seq}", spec, seq, True))
+            remedies.append((f"+ sequence {seq}", spec, seq, True))
+    for change, spec, seq, ckpt in remedies:
+        s_ = step(change, spec, seq, ckpt)
+        # a remedy that no longer lowers the peak (model states dominate) is left out
+        if s_.peak_gpu_bytes < steps[-1].peak_gpu_bytes:
+            steps.append(s_)
     return tuple(steps)
 
 

@@ -25,7 +25,7 @@ def test_pinning_zero3_for_moe_is_refused_with_the_reason():
 def test_ladder_peaks_decrease_step_by_step(model, arch, gpu):
     plan = fit(make_request(model=model, arch=arch, gpu=gpu), suggest=False)
     peaks = [s.peak_gpu_bytes for s in plan.ladder]
-    assert len(peaks) >= 4
+    assert len(peaks) >= 2
     assert all(b < a for a, b in zip(peaks, peaks[1:])), peaks
 
 
