@@ -248,7 +248,8 @@ def _dispatch_grouped(x: torch.Tensor, routes: Routes, experts: nn.ModuleList) -
     kept = sum(counts)
     tokens = (order[:kept] % num_tokens)
     groups = x.index_select(0, tokens).split(counts)
-    outputs = [expert(g) for expert, g in zip(experts, groups) if g.shape[0]]
+    # empty groups run too: their experts then get zero (not None) gradients, which DDP/ZeRO expect
+    outputs = [expert(g) for expert, g in zip(experts, groups)]
     rows = torch.cat([*outputs, x.new_zeros(1, x.shape[1])])
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=x.device)
