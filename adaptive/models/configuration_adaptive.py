@@ -100,7 +100,7 @@ class AdaptiveConfig(PreTrainedConfig):
     # MoD
     mod_capacity: float | int = 1.0
     mod_predictor_hidden_size: int = 0
-    mod_aux_loss_coef: float = 0.01
+    mod_aux_loss_coef: float = 0.1
     mod_routing: str = "auto"
     mod_router_weight: str = "sigmoid"
     # provenance

@@ -64,6 +64,7 @@ def main(out_dir: str) -> None:
         result[f"{mode}_dropped"] = out_ref.router_stats.dropped_fraction.tolist()
         if mode != "train":
             continue
+        result["train_loss_value"] = out_ep.loss.item()
         out_ref.loss.backward()
         out_ep.loss.backward()
         ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
@@ -91,9 +92,29 @@ def main(out_dir: str) -> None:
     result["from_pretrained_local_experts"] = sorted(got) == sorted(expected) and all(
         torch.equal(got[k], expected[k]) for k in expected
     )
+    result.update(deepspeed_engine_step(ep, batch, result["train_loss_value"]))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
+
+
+def deepspeed_engine_step(model, batch, expected_loss: float) -> dict:
+    """deepspeed.initialize (ZeRO-2, MoE param groups) on the already set-up EP model, one training step."""
+    import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "all"})
+    optimizer = torch.optim.AdamW(groups, lr=1e-2)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine.train()
+    expert = "module.model.layers.0.mlp.deepspeed_moe.experts.deepspeed_experts.0.up_proj.weight"
+    before = engine.state_dict()[expert].clone()
+    loss = engine(batch, labels=batch).loss
+    engine.backward(loss)
+    engine.step()
+    return {"engine_loss": abs(loss.item() - expected_loss),
+            "engine_step_moved_experts": not torch.equal(before, engine.state_dict()[expert])}
 
 
 if __name__ == "__main__":
