@@ -324,7 +324,7 @@ class AdaptiveModelOutputWithPast(ModelOutput):
 class AdaptiveCausalLMOutputWithPast(ModelOutput):
     """Like transformers' MoeCausalLMOutputWithPast, plus router statistics.
 
-    `loss` = LM loss + `aux_loss` (when labels are given). `aux_loss` = router_aux_loss_coef * mean
+    `loss` = LM loss + `aux_loss` (when labels are given). `past_key_values` still reads `cache`. `aux_loss` = router_aux_loss_coef * mean
     l_aux + router_z_loss_coef * mean z-loss over MoE layers + mod_aux_loss_coef * mean BCE over MoD
     layers; None for a dense model.
     """
@@ -337,10 +337,6 @@ class AdaptiveCausalLMOutputWithPast(ModelOutput):
     attentions: tuple[torch.Tensor, ...] | None = None
     router_stats: AdaptiveRouterStats | None = None
     router_logits: tuple[torch.Tensor, ...] | None = None
-
-    @property
-    def past_key_values(self) -> Cache | None:  # the pre-5.x name of `cache`
-        return self.cache
 
 
 def _collect_router_stats(config: AdaptiveConfig, outputs: list[LayerOutput]):
@@ -417,36 +413,30 @@ class AdaptivePreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' loader; under expert parallelism it then reloads this rank's experts by global id."""
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         if model.config.ep_size > 1 and model.config.moe_layers:
-            model._load_local_experts(pretrained_model_name_or_path)
+            from adaptive.models.moe_deepspeed import load_local_experts
+
+            model.setup_expert_parallel()
+            load_local_experts(model, pretrained_model_name_or_path)
         return model
 
-    def _load_local_experts(self, path) -> None:
-        """transformers loaded experts by local index; reload this rank's global experts by name."""
-        import glob
-        import os
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """A portable checkpoint: every expert, and a config that loads with the native MoE on one device.
 
-        from safetensors import safe_open
-
-        from adaptive.models.moe_deepspeed import expert_parallel_rank, localize_expert_state_dict
-
-        if not os.path.isdir(path):
-            raise AdaptiveError(f"ep_size > 1 loads experts from a local directory; {path!r} is not one")
-        self.setup_expert_parallel()
-        rank = expert_parallel_rank(self.config.ep_size)
-        wanted = set(self.state_dict())
-        prefix = self.base_model_prefix + "."
-        for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-            with safe_open(file, framework="pt") as f:
-                keys = [k for k in f.keys() if ".deepspeed_experts." in k]
-                for key in keys:
-                    local = localize_expert_state_dict({key: None}, self.config.num_local_experts,
-                                                       self.config.ep_size, rank)
-                    for name in local:
-                        name = name if name in wanted else name.removeprefix(prefix)
-                        if name in wanted:
-                            self.get_parameter(name).data.copy_(f.get_tensor(key))
+        Under expert parallelism the experts are gathered first: call it on every rank, with
+        `is_main_process=(rank == 0)`.
+        """
+        config = self.config
+        if config.ep_size > 1 and config.moe_layers and kwargs.get("state_dict") is None:
+            kwargs["state_dict"] = self.global_state_dict()
+        running = config.moe_implementation, config.ep_size
+        config.moe_implementation, config.ep_size = "native", 1
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            config.moe_implementation, config.ep_size = running
 
 
 def _is_deepspeed_moe(module: nn.Module) -> bool:

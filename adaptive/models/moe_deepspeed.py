@@ -177,6 +177,32 @@ def globalize_expert_state_dict(model: nn.Module) -> dict:
     return out
 
 
+def load_local_experts(model: nn.Module, path: str) -> None:
+    """Copy this rank's experts (by global id) from the safetensors files in `path` into `model`."""
+    import glob
+
+    from safetensors import safe_open
+
+    if not os.path.isdir(path):
+        raise AdaptiveError(f"ep_size > 1 loads experts from a local directory; {path!r} is not one")
+    config = model.config
+    rank = expert_parallel_rank(config.ep_size)
+    params = dict(model.named_parameters())
+    prefix = model.base_model_prefix + "."
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                if _EXPERT_KEY.match(key) is None:
+                    continue
+                for name in localize_expert_state_dict({key: None}, config.num_local_experts, config.ep_size, rank):
+                    # checkpoints of the base model lack the "model." prefix, and vice versa
+                    for candidate in (name, name.removeprefix(prefix), prefix + name):
+                        if candidate in params:
+                            with torch.no_grad():
+                                params[candidate].copy_(f.get_tensor(key))
+                            break
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -185,5 +211,5 @@ def _free_port() -> int:
 
 __all__ = [
     "DeepSpeedGate", "DeepSpeedMoE", "ensure_distributed", "ensure_expert_parallel", "expert_parallel_rank",
-    "localize_expert_state_dict", "globalize_expert_state_dict",
+    "localize_expert_state_dict", "globalize_expert_state_dict", "load_local_experts",
 ]

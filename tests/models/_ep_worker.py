@@ -92,6 +92,13 @@ def main(out_dir: str) -> None:
     result["from_pretrained_local_experts"] = sorted(got) == sorted(expected) and all(
         torch.equal(got[k], expected[k]) for k in expected
     )
+    portable = os.path.join(out_dir, "portable")
+    ep.save_pretrained(portable, is_main_process=rank == 0)  # gathers experts: every rank calls it
+    dist.barrier()
+    native = AdaptiveForCausalLM.from_pretrained(portable)
+    result["saved_config_is_portable"] = (native.config.moe_implementation, native.config.ep_size) == ("native", 1)
+    result["saved_all_experts"] = all(torch.equal(native.state_dict()[k], full[k]) for k in full)
+    result["ep_config_unchanged"] = (ep.config.moe_implementation, ep.config.ep_size) == ("deepspeed", 2)
     result.update(deepspeed_engine_step(ep, batch, result["train_loss_value"]))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

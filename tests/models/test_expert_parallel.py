@@ -43,5 +43,6 @@ def test_ep_size_2_matches_ep_size_1(tmp_path):
         assert r["grad_other"] < 1e-6, r
         assert r["global_state_dict"], "global_state_dict() gathers every expert back"
         assert r["from_pretrained_local_experts"], "from_pretrained(ep_size=2) loads this rank's experts"
+        assert r["saved_config_is_portable"] and r["saved_all_experts"] and r["ep_config_unchanged"]
         assert r["engine_loss"] < 1e-5, "deepspeed.initialize (ZeRO-2) after our own EP setup: same loss"
         assert r["engine_step_moved_experts"]

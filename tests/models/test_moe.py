@@ -167,3 +167,18 @@ def test_deepspeed_block_is_idempotent_under_repeated_setup():
     for block in (m for m in model.modules() if type(m).__name__ == "DeepSpeedMoE"):
         block.set_deepspeed_parallelism()  # what deepspeed.initialize calls; must not assert
         assert block.expert_parallel_ready
+
+
+def test_deepspeed_checkpoint_loads_as_native_with_the_same_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    deepspeed = AdaptiveForCausalLM(tiny_config("hybrid", moe_implementation="deepspeed")).eval()
+    deepspeed.save_pretrained(tmp_path)
+    assert deepspeed.config.moe_implementation == "deepspeed"  # saving does not change the running model
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.moe_implementation == "native"  # the portable default for inference
+    assert not any(type(m).__name__ == "DeepSpeedMoE" for m in loaded.modules())
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(loaded(ids).logits, deepspeed(ids).logits, rtol=1e-5, atol=1e-6)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, moe_implementation="deepspeed")
+    assert any(type(m).__name__ == "DeepSpeedMoE" for m in again.modules())
