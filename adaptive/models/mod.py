@@ -73,8 +73,13 @@ def plan_routing(
     mode: str,
     weight_fn: str,
     pad: torch.Tensor | None = None,
+    width_group=None,
 ) -> MoDPlan:
-    """Pick the tokens of a routed block. `mode` is "topk" or "causal"; `pad` [B, T] is True on padding."""
+    """Pick the tokens of a routed block. `mode` is "topk" or "causal"; `pad` [B, T] is True on padding.
+
+    `width_group`: a process group whose ranks must gather the same number of slots in causal mode (DeepSpeed
+    expert parallelism: every rank must enter the MoE all-to-all, also when it routed nothing itself).
+    """
     batch, seq = logits.shape
     k = min(seq, math.ceil(capacity * seq))
     scores = logits if pad is None else logits.masked_fill(pad, torch.finfo(logits.dtype).min)
@@ -91,7 +96,10 @@ def plan_routing(
     else:
         routed = causal_mask if real is None else causal_mask & real
         counts = routed.sum(dim=-1)
-        width = int(counts.max())  # one host sync: the gathered width is data-dependent at inference
+        width = counts.max()
+        if width_group is not None:
+            torch.distributed.all_reduce(width, op=torch.distributed.ReduceOp.MAX, group=width_group)
+        width = min(int(width), seq)  # one host sync: the gathered width is data-dependent at inference
         position = torch.arange(seq, device=logits.device)
         # routed tokens first, each group in sequence order; the tail of each row is padding
         order = torch.argsort(torch.where(routed, position, position + seq), dim=-1)

@@ -235,22 +235,32 @@ class AdaptiveDecoderLayer(GradientCheckpointingLayer):
         **kwargs,
     ) -> tuple[torch.Tensor, LayerOutput]:
         if self.mod is None:
-            delta, moe, attn = self._block(hidden_states, position_embeddings, attention_mask, cache, None, **kwargs)
+            delta, moe, attn = self._block(hidden_states, position_embeddings, attention_mask, cache, None,
+                                           padding_mask, **kwargs)
             return hidden_states + delta, LayerOutput(moe, None, attn)
         return self._routed_forward(hidden_states, position_ids, cache, position_embeddings, padding_mask, **kwargs)
 
-    def _block(self, hidden_states, position_embeddings, attention_mask, cache, routed, **kwargs):
-        """The block's output delta (attention + MLP), its MoE stats and attention weights."""
+    def _block(self, hidden_states, position_embeddings, attention_mask, cache, routed, used, **kwargs):
+        """The block's output delta (attention + MLP), its MoE stats and attention weights.
+
+        `used` [B, T] marks real tokens for the MoE (padding and empty MoD slots take no expert capacity).
+        """
         attn, weights = self.self_attn(
             self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, routed, **kwargs
         )
         mlp_in = self.post_attention_layernorm(hidden_states + attn)
         moe = None
         if self.is_moe:
-            mlp_out, moe = self.mlp(mlp_in)
+            mlp_out, moe = self.mlp(mlp_in, used)
         else:
             mlp_out = self.mlp(mlp_in)
         return attn + mlp_out, moe, weights
+
+    def _expert_parallel_group(self):
+        """The EP group of a hybrid layer's DeepSpeed MoE (ep_size > 1), else None."""
+        if not self.is_moe or self.config.ep_size == 1:
+            return None
+        return getattr(self.mlp.deepspeed_moe, "ep_group", None)
 
     def _routing_mode(self) -> str:
         mode = self.config.mod_routing
@@ -261,7 +271,8 @@ class AdaptiveDecoderLayer(GradientCheckpointingLayer):
         mode = self._routing_mode()
         logits, predicted = self.mod(hidden_states)
         pad = None if padding_mask is None else ~padding_mask
-        plan = plan_routing(logits, predicted, self.config.mod_capacity, mode, self.config.mod_router_weight, pad)
+        plan = plan_routing(logits, predicted, self.config.mod_capacity, mode, self.config.mod_router_weight, pad,
+                            self._expert_parallel_group())
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
         if plan.index.shape[1] == 0:  # causal routing chose no token in the whole batch
             if layer_cache is not None:
@@ -271,17 +282,13 @@ class AdaptiveDecoderLayer(GradientCheckpointingLayer):
 
         positions = gather_tokens(position_ids.expand(batch, seq), plan.index)
         cos, sin = (gather_tokens(t.expand(batch, seq, -1), plan.index) for t in position_embeddings)
-        routed = _routed_keys(positions, plan.valid, plain=mode == "topk" and cache is None)
+        routed = RoutedKeys(positions, plan.valid, mode == "topk" and cache is None and plan.valid is None)
         selected = gather_tokens(hidden_states, plan.index)
-        delta, moe, attn = self._block(selected, (cos, sin), None, cache, routed, **kwargs)
+        delta, moe, attn = self._block(selected, (cos, sin), None, cache, routed, plan.valid, **kwargs)
         if layer_cache is not None:
             layer_cache.advance(seq)
         out = scatter_delta(hidden_states, plan.index, delta * plan.weight.unsqueeze(-1).to(delta.dtype))
         return out, LayerOutput(moe, plan.stats, attn)
-
-
-def _routed_keys(positions, valid, plain: bool) -> RoutedKeys:
-    return RoutedKeys(positions, valid, plain and valid is None)
 
 
 def _empty_moe_stats(config: AdaptiveConfig, device) -> MoEStats:
@@ -363,6 +370,7 @@ def _collect_router_stats(config: AdaptiveConfig, outputs: list[LayerOutput]):
 
 
 class AdaptivePreTrainedModel(PreTrainedModel):
+    _expert_parallel_ready = False
     config: AdaptiveConfig
     config_class = AdaptiveConfig
     base_model_prefix = "model"
@@ -391,6 +399,7 @@ class AdaptivePreTrainedModel(PreTrainedModel):
             from adaptive.models.moe_deepspeed import ensure_expert_parallel
 
             ensure_expert_parallel(self)
+        self._expert_parallel_ready = True
 
     def load_global_state_dict(self, state_dict: dict, strict: bool = True):
         """Load a full (all experts) state dict; under expert parallelism, keep this rank's experts only."""
@@ -479,6 +488,8 @@ class AdaptiveModel(AdaptivePreTrainedModel):
         output_router_logits = config.output_router_logits if output_router_logits is None else output_router_logits
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             use_cache = False  # the checkpointed layers drop the cache anyway
+        if config.moe_implementation == "deepspeed" and not self._expert_parallel_ready:
+            self.setup_expert_parallel()  # before routing: hybrid layers sync their MoD width over the EP group
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
@@ -490,10 +501,11 @@ class AdaptiveModel(AdaptivePreTrainedModel):
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(seq, device=inputs_embeds.device) + past).unsqueeze(0)
 
+        # Which new tokens are real: MoD routes only those, MoE gives padding no expert capacity.
         padding_mask = None
-        if attention_mask is not None and config.mod_layers:
-            if attention_mask.dim() != 2:
-                raise AdaptiveError("MoD-routed models take a 2D attention_mask (batch, past + new tokens)")
+        if attention_mask is not None and config.mod_layers and attention_mask.dim() != 2:
+            raise AdaptiveError("MoD-routed models take a 2D attention_mask (batch, past + new tokens)")
+        if attention_mask is not None and attention_mask.dim() == 2 and (config.mod_layers or config.moe_layers):
             current = attention_mask[:, -seq:].bool()
             padding_mask = None if bool(current.all()) else current  # unpadded batches keep the fast path
         causal_mask = create_causal_mask(

@@ -65,6 +65,7 @@ def route(
     sample_logits: torch.Tensor | None = None,
     second_expert_noise: bool = False,
     ep_group=None,
+    used: torch.Tensor | None = None,
 ) -> Routes:
     """Top-k routing of `logits` [S, E] (fp32). `capacity_factor=None` drops nothing.
 
@@ -72,6 +73,11 @@ def route(
     `second_expert_noise` samples the second choice with Gumbel noise (DeepSpeed's
     top2_2nd_expert_sampling). With `ep_group` and no dropping, the capacity is the max over the group,
     as every rank must send equal all-to-all chunks.
+
+    `used` [S] bool marks real tokens (padding, MoD slots without a routed token are False): the others
+    take no expert slot, get a zero output and stay out of the counts, losses and dropped fraction. The
+    capacity still counts all S tokens, which keeps it free of host syncs. None = all tokens (DeepSpeed's
+    exact math).
     """
     num_tokens, num_experts = logits.shape
     gates = logits.softmax(dim=-1)
@@ -79,7 +85,7 @@ def route(
     if selection_bias is not None:
         scores = scores + selection_bias.float()
     first = scores.argmax(dim=-1)
-    mask1 = F.one_hot(first, num_experts)
+    mask1 = _one_hot(first, num_experts, used)
     choices, masks = [first], [mask1]
     if k == 2:
         second_scores = scores
@@ -88,15 +94,15 @@ def route(
             second_scores = (logits + noise).softmax(dim=-1) + (0 if selection_bias is None else selection_bias)
         second = second_scores.masked_fill(mask1.bool(), float("-inf")).argmax(dim=-1)
         choices.append(second)
-        masks.append(F.one_hot(second, num_experts))
+        masks.append(_one_hot(second, num_experts, used))
     experts = torch.stack(choices)  # [k, S]
 
     first_counts = mask1.sum(dim=0)
     expert_counts = sum(m.sum(dim=0) for m in masks).detach()
-    me = gates.mean(dim=0)
-    ce = mask1.float().mean(dim=0)
+    me = _token_mean(gates, used)
+    ce = _token_mean(mask1.float(), used)
     l_aux = (me * ce).mean() * num_experts * num_experts
-    z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+    z_loss = _token_mean(torch.logsumexp(logits, dim=-1).square(), used)
 
     # Slot of each route in its expert's buffer: token order, second choices after all first choices.
     locations = torch.stack([
@@ -111,13 +117,31 @@ def route(
     else:
         capacity = expert_capacity(num_tokens, num_experts, capacity_factor, k, min_capacity)
         kept = locations < capacity
+    if used is not None:
+        kept = kept & used
 
     weights = gates.gather(1, experts.t()).t() * kept  # [k, S]
     if k == 2:
         weights = weights / weights.sum(dim=0, keepdim=True).clamp(min=torch.finfo(weights.dtype).eps)
-    dropped = 1.0 - kept.float().mean()
+    dropped = 1.0 - (kept.sum() / (k * _count(used, num_tokens))).float()
     stats = MoEStats(l_aux, z_loss, expert_counts, dropped, logits)
     return Routes(experts.masked_fill(~kept, -1), locations * kept, weights, capacity, stats)
+
+
+def _one_hot(choice: torch.Tensor, num_experts: int, used: torch.Tensor | None) -> torch.Tensor:
+    mask = F.one_hot(choice, num_experts)
+    return mask if used is None else mask * used[:, None]
+
+
+def _count(used: torch.Tensor | None, num_tokens: int):
+    return num_tokens if used is None else used.sum().clamp(min=1)
+
+
+def _token_mean(values: torch.Tensor, used: torch.Tensor | None) -> torch.Tensor:
+    if used is None:
+        return values.mean(dim=0)
+    weights = used.to(values.dtype).view(-1, *([1] * (values.dim() - 1)))
+    return (values * weights).sum(dim=0) / _count(used, values.shape[0])
 
 
 class MoEGate(nn.Module):
@@ -131,8 +155,8 @@ class MoEGate(nn.Module):
         _init_gate_state(self, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity, drop_tokens,
                          noisy_gate_policy, top2_2nd_expert_sampling)
 
-    def forward(self, x: torch.Tensor, ep_group=None) -> Routes:
-        return gate_routes(self, x, ep_group)
+    def forward(self, x: torch.Tensor, ep_group=None, used: torch.Tensor | None = None) -> Routes:
+        return gate_routes(self, x, ep_group, used)
 
 
 def _init_gate_state(gate: nn.Module, num_experts: int, k: int, capacity_factor: float,
@@ -149,8 +173,8 @@ def _init_gate_state(gate: nn.Module, num_experts: int, k: int, capacity_factor:
     gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts), persistent=True)
 
 
-def gate_routes(gate: nn.Module, x: torch.Tensor, ep_group=None) -> Routes:
-    """Shared forward of the native and DeepSpeed gates: x [S, hidden] -> Routes."""
+def gate_routes(gate: nn.Module, x: torch.Tensor, ep_group=None, used: torch.Tensor | None = None) -> Routes:
+    """Shared forward of the native and DeepSpeed gates: x [S, hidden] (and `used` [S]) -> Routes."""
     x = x.float()
     policy = gate.noisy_gate_policy if gate.training else None
     if policy == "Jitter":
@@ -163,7 +187,7 @@ def gate_routes(gate: nn.Module, x: torch.Tensor, ep_group=None) -> Routes:
     if not gate.drop_tokens:
         factor = None
     return route(logits, gate.k, factor, gate.min_capacity, gate.e_score_correction_bias, sample,
-                 gate.top2_2nd_expert_sampling and gate.k == 2, ep_group)
+                 gate.top2_2nd_expert_sampling and gate.k == 2, ep_group, used)
 
 
 class Experts(nn.Module):
@@ -204,9 +228,10 @@ class NativeMoE(nn.Module):
     def gate(self) -> MoEGate:
         return self.deepspeed_moe.gate
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+    def forward(self, hidden_states: torch.Tensor, used: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
+        """hidden_states [..., hidden]; `used` [...] bool marks real tokens (see `route`)."""
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        routes = self.gate(x)
+        routes = self.gate(x, used=None if used is None else used.reshape(-1))
         experts = self.deepspeed_moe.experts.deepspeed_experts
         if self.training and isinstance(routes.capacity, int):
             out = _dispatch_slots(x, routes, experts)

@@ -49,7 +49,7 @@ class DeepSpeedGate(TopKGate):
 
     def forward(self, input, used_token=None, sparse_routes=False, use_tutel=False):  # noqa: A002 (DS's name)
         assert sparse_routes and not use_tutel, "DeepSpeedGate serves MOELayer's sparse dispatch only"
-        routes = gate_routes(self, input, self.ep_group)
+        routes = gate_routes(self, input, self.ep_group, used_token)
         self.last_stats = routes.stats
         return (routes.stats.l_aux, routes.capacity, self.num_experts, routes.experts.int(),
                 routes.locations.int(), routes.weights, routes.stats.expert_counts)
@@ -83,11 +83,11 @@ class DeepSpeedMoE(MoE):
         if not self.expert_parallel_ready:
             super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+    def forward(self, hidden_states: torch.Tensor, used: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
         if not self.expert_parallel_ready:
             ensure_distributed(hidden_states.device)
             self.set_deepspeed_parallelism()
-        output, _, _ = super().forward(hidden_states)
+        output, _, _ = super().forward(hidden_states, None if used is None else used.reshape(-1))
         return output, self.gate.last_stats
 
 

@@ -100,6 +100,13 @@ def main(out_dir: str) -> None:
     result["saved_all_experts"] = all(torch.equal(native.state_dict()[k], full[k]) for k in full)
     result["ep_config_unchanged"] = (ep.config.moe_implementation, ep.config.ep_size) == ("deepspeed", 2)
     result.update(deepspeed_engine_step(ep, batch, result["train_loss_value"]))
+    # causal routing where rank 1 routes nothing in the hybrid layer: it must still join the MoE all-to-all
+    loaded.eval()
+    with torch.no_grad():
+        if rank == 1:
+            loaded.model.layers[1].mod.router.weight.zero_()  # logit 0 -> never routed
+        skip = loaded(batch).router_stats.mod_skip_rate[0].item()
+    result["causal_skip_rate"] = skip
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()

@@ -12,10 +12,10 @@ from adaptive.models import AdaptiveForCausalLM
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_eager_and_sdpa_agree(arch, mode):
-    # no token dropping: padded positions hold different garbage under the two kernels, and in training they
-    # compete for expert capacity like any token
-    sdpa = tiny_model(arch, pad_token_id=0, drop_tokens=False)
-    eager = AdaptiveForCausalLM(tiny_config(arch, pad_token_id=0, drop_tokens=False, attn_implementation="eager"))
+    # padded positions hold different garbage under the two kernels; they must not reach real tokens, which
+    # for MoE in training means they take no expert capacity
+    sdpa = tiny_model(arch, pad_token_id=0, capacity_factor=0.5)
+    eager = AdaptiveForCausalLM(tiny_config(arch, pad_token_id=0, capacity_factor=0.5, attn_implementation="eager"))
     eager.load_state_dict(sdpa.state_dict())
     assert (sdpa.config._attn_implementation, eager.config._attn_implementation) == ("sdpa", "eager")
     ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -46,3 +46,5 @@ def test_ep_size_2_matches_ep_size_1(tmp_path):
         assert r["saved_config_is_portable"] and r["saved_all_experts"] and r["ep_config_unchanged"]
         assert r["engine_loss"] < 1e-5, "deepspeed.initialize (ZeRO-2) after our own EP setup: same loss"
         assert r["engine_step_moved_experts"]
+    skips = [json.loads((tmp_path / f"rank{rank}.json").read_text())["causal_skip_rate"] for rank in (0, 1)]
+    assert skips[0] < 1.0 and skips[1] == 1.0, "rank 1 routed nothing yet took part in the all-to-all"

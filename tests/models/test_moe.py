@@ -182,3 +182,32 @@ def test_deepspeed_checkpoint_loads_as_native_with_the_same_logits(tmp_path):
     torch.testing.assert_close(loaded(ids).logits, deepspeed(ids).logits, rtol=1e-5, atol=1e-6)
     again = AutoModelForCausalLM.from_pretrained(tmp_path, moe_implementation="deepspeed")
     assert any(type(m).__name__ == "DeepSpeedMoE" for m in again.modules())
+
+
+def test_unused_tokens_take_no_expert_and_stay_out_of_the_statistics():
+    logits = random_logits(30, 8, 10)
+    used = torch.rand(30, generator=torch.Generator().manual_seed(11)) > 0.3
+    full = route(logits, 2, None, 0, used=used)
+    subset = route(logits[used], 2, None, 0)
+    assert (full.experts[:, ~used] == -1).all()
+    assert torch.equal(full.experts[:, used], subset.experts)
+    torch.testing.assert_close(full.weights[:, used], subset.weights)
+    assert torch.equal(full.stats.expert_counts, subset.stats.expert_counts)
+    torch.testing.assert_close(full.stats.l_aux, subset.stats.l_aux)
+    torch.testing.assert_close(full.stats.z_loss, subset.stats.z_loss)
+    assert full.stats.dropped_fraction.item() == 0.0
+
+
+@pytest.mark.parametrize("arch", ["moe", "hybrid"])
+def test_padding_does_not_reach_real_tokens_through_expert_capacity(arch):
+    model = tiny_model(arch, pad_token_id=0, capacity_factor=0.5).train()
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(12))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    other = ids.clone()
+    other[1, :6] = torch.randint(1, 128, (6,), generator=torch.Generator().manual_seed(13))  # different padding
+    a = model(ids, attention_mask=mask)
+    b = model(other, attention_mask=mask)
+    assert a.router_stats.dropped_fraction.max() > 0
+    real = mask.bool()
+    torch.testing.assert_close(a.logits[real], b.logits[real])
