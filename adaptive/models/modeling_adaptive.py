@@ -497,6 +497,7 @@ class AdaptiveModel(AdaptivePreTrainedModel):
         if cache is not None:
             install_routed_cache_layers(cache, config.mod_layers, config.num_hidden_layers)
         seq = inputs_embeds.shape[1]
+        given_position_ids = position_ids
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(seq, device=inputs_embeds.device) + past).unsqueeze(0)
@@ -508,9 +509,10 @@ class AdaptiveModel(AdaptivePreTrainedModel):
         if attention_mask is not None and attention_mask.dim() == 2 and (config.mod_layers or config.moe_layers):
             current = attention_mask[:, -seq:].bool()
             padding_mask = None if bool(current.all()) else current  # unpadded batches keep the fast path
+        # Only caller-given position ids can describe packed sequences; checking ours would cost a host sync.
         causal_mask = create_causal_mask(
             config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
-            position_ids=position_ids,
+            position_ids=given_position_ids,
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)

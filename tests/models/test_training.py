@@ -106,3 +106,19 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(arch_name):
     assert grads.keys() == grads_ckpt.keys()
     for name in grads:
         torch.testing.assert_close(grads_ckpt[name], grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_training_step_has_no_host_sync_so_it_runs_on_meta(arch):
+    # meta tensors have no values: any .item()/bool()/tolist() in the training forward or backward would raise.
+    # (The planner can also count saved activations on meta for full-size shapes.)
+    from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
+    from adaptive.plan.presets import layer_pattern
+
+    config = AdaptiveConfig.from_preset("b1", arch=arch, num_hidden_layers=2, block_types=list(layer_pattern(arch, 2)))
+    with torch.device("meta"):
+        model = AdaptiveForCausalLM(config).train()
+        ids = torch.zeros(2, 256, dtype=torch.long)
+    out = model(ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    assert out.loss.device.type == "meta"
+    assert model.lm_head.weight.grad is not None
