@@ -5,7 +5,8 @@
 
 Shape: hidden 256, 8 layers, GQA 8/2 heads, SwiGLU 2.75x, vocab 2048, batch 4 x seq 512. The ratios that
 matter are b1's: attention is ~20% of a layer's FLOPs at seq = hidden, the LM head ~6% of the model.
-Each step is forward + backward (loss.backward, grads zeroed), models interleaved, median of --repeats.
+Each step is forward + backward (loss.backward, grads zeroed), models interleaved, median of --repeats
+(3x that for the single MoE blocks).
 
 Prints:
 - MoD (capacity 0.125, every other block) vs dense; target <= 0.65x (ideal ~0.56x);
@@ -118,9 +119,9 @@ def main() -> None:
         "ours_no_drop": lambda: block_step(ours, x),
         "ours_capacity_1.0": lambda: block_step(capacity_block, x),
         "mixtral_grouped_mm": lambda: block_step(theirs, x[None]),
-    }, args.repeats)
+    }, 3 * args.repeats)  # blocks are fast: more repeats for the same wall time
     theirs.experts.config._experts_implementation = "eager"
-    blocks.update(time_interleaved({"mixtral_eager": lambda: block_step(theirs, x[None])}, args.repeats))
+    blocks.update(time_interleaved({"mixtral_eager": lambda: block_step(theirs, x[None])}, 3 * args.repeats))
 
     print(f"CPU, {args.threads} threads, batch {args.batch} x seq {args.seq}, hidden {SHAPE['hidden_size']}, "
           f"{SHAPE['num_hidden_layers']} layers, median of {args.repeats} fwd+bwd steps")

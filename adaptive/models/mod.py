@@ -12,6 +12,11 @@ A routed block sees only some tokens of each sequence; the rest ride the residua
   top-k mask. Each sequence routes a different number of tokens, so they are gathered to the batch
   maximum, and the extra slots are masked out.
 
+Router weight (`mod_router_weight`): sigmoid(r) by default. It is bounded, on the LM loss's gradient path,
+and consistent with causal routing (a routed token has weight > 0.5). "logit" is the paper's raw r; "none"
+(weight 1) makes a capacity-1.0 block exactly the dense block. The BCE loss uses the router logit without
+detaching it, so the router learns from both losses; the predictor's input is detached.
+
 KV cache: a routed layer caches keys only for the tokens it processed, with their positions and a
 validity flag (`RoutedCacheLayer`). A skipped token is never a key in that layer, cached or not, so
 generation with and without the cache agree.

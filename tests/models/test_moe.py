@@ -211,3 +211,15 @@ def test_padding_does_not_reach_real_tokens_through_expert_capacity(arch):
     assert a.router_stats.dropped_fraction.max() > 0
     real = mask.bool()
     torch.testing.assert_close(a.logits[real], b.logits[real])
+
+
+def test_rsample_noise_applies_in_training_only():
+    model = tiny_model("moe", num_experts_per_tok=1, noisy_gate_policy="RSample", drop_tokens=False)
+    gate = model.model.layers[0].mlp.gate
+    x = torch.randn(256, 32, generator=torch.Generator().manual_seed(14))
+    gate.train()
+    noisy = [gate(x).experts for _ in range(2)]
+    assert not torch.equal(noisy[0], noisy[1])
+    gate.eval()
+    assert torch.equal(gate(x).experts, gate(x).experts)
+    assert torch.equal(gate(x).experts[0], (x @ gate.wg.weight.t()).argmax(dim=-1))

@@ -56,3 +56,11 @@ def test_deepspeed_block_has_the_native_names_and_shapes():
     shapes = {k: v.shape for k, v in native.state_dict().items()}
     assert shapes == {k: v.shape for k, v in deepspeed.state_dict().items()}
     assert any(".deepspeed_moe.gate.e_score_correction_bias" in k for k in shapes)
+
+
+def test_deepspeed_block_builds_on_meta_with_the_planned_count():
+    config = AdaptiveConfig.from_preset("b7", arch="hybrid", moe_implementation="deepspeed")
+    with torch.device("meta"):
+        model = AdaptiveForCausalLM(config)
+    assert any(type(m).__name__ == "DeepSpeedMoE" for m in model.modules())
+    assert sum(p.numel() for p in model.parameters()) == count_params(config.to_spec()).total

@@ -68,3 +68,12 @@ def test_mod_cache_holds_keys_of_routed_tokens_only():
         cached = layer.positions[row][layer.key_valid[row]].tolist()
         assert cached == routed[row].nonzero().flatten().tolist()
     assert layer.keys.shape[2] == int(routed.sum(1).max())
+
+
+def test_tied_embeddings_stay_tied_through_save_and_load(tmp_path):
+    model = tiny_model("hybrid", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
