@@ -77,3 +77,11 @@ def test_tied_embeddings_stay_tied_through_save_and_load(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_generate_when_the_first_layer_is_routed():
+    # the cache's sequence length (position ids, dense-layer masks) then comes from a RoutedCacheLayer
+    model = tiny_model("hybrid", pad_token_id=PAD, block_types=["hybrid", "dense", "mod", "moe", "dense"]).eval()
+    ids, mask = prompts()
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    assert torch.equal(model.generate(ids, use_cache=True, **kwargs), model.generate(ids, use_cache=False, **kwargs))
