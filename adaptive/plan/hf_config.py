@@ -126,9 +126,10 @@ def _spec_from_adaptive_config(cfg: dict, path: str) -> ModelSpec:
     """Our own exported config.json: its fields are ModelSpec's fields."""
     fields = set(ModelSpec.__dataclass_fields__)
     data = {k: v for k, v in cfg.items() if k in fields}
-    data.setdefault("name", cfg.get("preset") or Path(path).parent.name or "adaptive")
+    data["name"] = cfg.get("preset") or Path(path).parent.name or "adaptive"
     data.setdefault("arch", cfg.get("arch", "dense"))
-    data["layer_types"] = tuple(cfg.get("layer_types") or ())
+    # our config stores the per-layer pattern as `block_types` (transformers reserves `layer_types`)
+    data["layer_types"] = tuple(cfg.get("block_types") or ())
     data["source"] = "hf:adaptive"
     try:
         return ModelSpec(**data)

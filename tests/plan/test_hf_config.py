@@ -74,3 +74,14 @@ def test_missing_and_non_positive_fields_are_named(tmp_path):
         spec_from_hf_config(write(tmp_path, cfg))
     with pytest.raises(AdaptiveError, match="num_hidden_layers must be positive"):
         spec_from_hf_config(write(tmp_path, dict(CONFIGS["llama"], num_hidden_layers=0)))
+
+
+@pytest.mark.parametrize("arch", ["dense", "moe", "mod", "hybrid"])
+def test_our_own_exported_config_plans_with_the_saved_models_counts(tmp_path, arch):
+    from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
+
+    model = AdaptiveForCausalLM(AdaptiveConfig.from_preset("debug", arch=arch))
+    model.save_pretrained(tmp_path)
+    spec = spec_from_hf_config(str(tmp_path / "config.json"))
+    assert spec.arch == arch and spec.name == "debug"
+    assert count_params(spec).total == sum(p.numel() for p in model.parameters())
