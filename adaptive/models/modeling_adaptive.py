@@ -482,7 +482,10 @@ class AdaptiveModel(AdaptivePreTrainedModel):
         config = self.config
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        use_cache = config.use_cache if use_cache is None else use_cache
+        if use_cache is None:
+            # A training step never reads a KV cache: building one holds every layer's keys and values and
+            # sends MoD-routed layers down the masked attention path. Only an explicit request builds one.
+            use_cache = config.use_cache and not (self.training and torch.is_grad_enabled())
         output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
         output_router_logits = config.output_router_logits if output_router_logits is None else output_router_logits
