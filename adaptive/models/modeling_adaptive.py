@@ -192,7 +192,10 @@ class LayerOutput(NamedTuple):
 def build_mlp(config: AdaptiveConfig, layer_type: str) -> nn.Module:
     if layer_type not in ("moe", "hybrid"):
         return AdaptiveMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act)
-    expert = AdaptiveMLP(config.hidden_size, config.moe_intermediate_size, config.mlp_bias, config.hidden_act)
+
+    def make_expert() -> AdaptiveMLP:
+        return AdaptiveMLP(config.hidden_size, config.moe_intermediate_size, config.mlp_bias, config.hidden_act)
+
     knobs = dict(
         capacity_factor=config.capacity_factor, eval_capacity_factor=config.eval_capacity_factor,
         min_capacity=config.min_capacity, drop_tokens=config.drop_tokens,
@@ -201,9 +204,9 @@ def build_mlp(config: AdaptiveConfig, layer_type: str) -> nn.Module:
     if config.moe_implementation == "deepspeed":
         from adaptive.models.moe_deepspeed import DeepSpeedMoE  # imports deepspeed: only on demand
 
-        return DeepSpeedMoE(config.hidden_size, expert, config.num_local_experts, config.num_experts_per_tok,
+        return DeepSpeedMoE(config.hidden_size, make_expert(), config.num_local_experts, config.num_experts_per_tok,
                             config.ep_size, **knobs)
-    return NativeMoE(config.hidden_size, expert, config.num_local_experts, config.num_experts_per_tok, **knobs)
+    return NativeMoE(config.hidden_size, make_expert, config.num_local_experts, config.num_experts_per_tok, **knobs)
 
 
 class AdaptiveDecoderLayer(GradientCheckpointingLayer):

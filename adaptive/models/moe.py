@@ -22,8 +22,8 @@ checkpointing treats every such key as an expert weight.
 
 from __future__ import annotations
 
-import copy
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -191,11 +191,16 @@ def gate_routes(gate: nn.Module, x: torch.Tensor, ep_group=None, used: torch.Ten
 
 
 class Experts(nn.Module):
-    """`num_experts` copies of one expert module, under DeepSpeed's attribute name."""
+    """`num_experts` experts, under DeepSpeed's attribute name.
 
-    def __init__(self, expert: nn.Module, num_experts: int):
+    Built fresh from `make_expert` rather than deep-copied (DeepSpeed's way): weights are initialised by
+    `_init_weights` anyway, and deep copies of fake parameters keep every gradient alive under
+    `FakeTensorMode`, which would skew `adaptive measure`.
+    """
+
+    def __init__(self, make_expert: Callable[[], nn.Module], num_experts: int):
         super().__init__()
-        self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_experts)])
+        self.deepspeed_experts = nn.ModuleList([make_expert() for _ in range(num_experts)])
 
 
 class NativeMoELayer(nn.Module):
@@ -215,13 +220,13 @@ class NativeMoE(nn.Module):
       per layer for the group sizes, and no compute on empty slots (decode steps have few tokens).
     """
 
-    def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int, k: int, capacity_factor: float,
-                 eval_capacity_factor: float | None, min_capacity: int, drop_tokens: bool,
+    def __init__(self, hidden_size: int, make_expert: Callable[[], nn.Module], num_experts: int, k: int,
+                 capacity_factor: float, eval_capacity_factor: float | None, min_capacity: int, drop_tokens: bool,
                  noisy_gate_policy: str | None, top2_2nd_expert_sampling: bool):
         super().__init__()
         gate = MoEGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
                        drop_tokens, noisy_gate_policy, top2_2nd_expert_sampling)
-        self.deepspeed_moe = NativeMoELayer(gate, Experts(expert, num_experts))
+        self.deepspeed_moe = NativeMoELayer(gate, Experts(make_expert, num_experts))
         self.num_experts = num_experts
 
     @property

@@ -1,92 +1,134 @@
-"""Activation memory of our decoder blocks: what autograd saves for backward, per token, in bytes.
+"""Activation memory of our decoder blocks, counted tensor by tensor, in bytes.
 
-Korthikanti et al. (2022) give ~34·s·b·h bytes per layer for a GPT block with 16-bit activations.
-Our blocks differ (RMSNorm, GQA, RoPE, SwiGLU, SDPA, fp32 router math, MoE dispatch, MoD
-gather/scatter), so each term below is counted from the tensors our modeling code saves, and
-tests/plan/test_activations_measured.py checks the sums against `saved_tensors_hooks` counts.
+Korthikanti et al. (2022) give ~34·s·b·h bytes per layer for a GPT block. Our blocks differ (RMSNorm
+in fp32, GQA, RoPE, SwiGLU, SDPA, an fp32 MoE router with capacity slots, MoD gather/scatter), so each
+term below names the tensors autograd saves for them. The sums equal `saved_tensors_hooks` counts of
+the real model classes (tests/fidelity), and `adaptive measure` re-measures them for any shape.
+
+Notation, per token unless noted: h hidden, q = heads·head_dim, kv = kv_heads·head_dim, f SwiGLU
+width, E experts, k experts per token, V vocabulary. 16-bit activations (2 bytes), fp32 where the
+model computes in fp32.
 """
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 from adaptive.plan.presets import ModelSpec
 
-ACT = 2  # bytes per 16-bit activation element
-F32 = 4
+MIN_CAPACITY = 4  # DeepSpeed's and our MoE gate's default floor on expert capacity
 
 
-def attention_block_bytes_per_token(s: ModelSpec) -> float:
-    """Attention half of a block: norm, q/k/v/o projections, RoPE, SDPA."""
+def attention_half_bytes(s: ModelSpec) -> int:
+    """Input RMSNorm (fp32 copy 4h, 1/rms 4, 16-bit cast 2h, output 2h kept by q/k/v projections),
+    post-RoPE q and k, v, the SDPA output (2 bytes each) and its fp32 log-sum-exp per head."""
     h, q, kv = s.hidden_size, s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
-    norm = h * ACT + F32  # RMSNorm input + its fp32 reciprocal RMS per token
-    proj_in = h * ACT  # normalised input, shared by q/k/v projections
-    sdpa = (q + 2 * kv) * ACT + q * ACT + s.num_attention_heads * F32  # q,k,v, output, logsumexp
-    return norm + proj_in + sdpa
+    return 8 * h + 4 + 4 * q + 4 * kv + 4 * s.num_attention_heads
 
 
-def mlp_bytes_per_token(hidden: int, inner: int) -> float:
-    """SwiGLU: gate and up outputs, silu(gate), and their product feeding down_proj."""
-    norm = hidden * ACT + F32 + hidden * ACT  # RMSNorm input, rstd, normalised output
-    return norm + 4 * inner * ACT
+def dense_layer_bytes(s: ModelSpec) -> int:
+    """Attention half + post-attention RMSNorm (8h + 4) + SwiGLU (gate, silu(gate), up, product: 8f)."""
+    return attention_half_bytes(s) + 8 * s.hidden_size + 4 + 8 * s.intermediate_size
 
 
-def moe_bytes_per_token(s: ModelSpec, capacity_factor: float) -> float:
-    """Router in fp32 plus top-k experts' SwiGLU on capacity slots (k·cf slots per token)."""
-    h, e = s.hidden_size, s.num_local_experts
-    norm = h * ACT + F32 + h * ACT
-    router = e * F32 * 2  # fp32 logits and softmax probabilities
-    slots = s.num_experts_per_tok * capacity_factor
-    experts = slots * (h * ACT + 4 * s.moe_intermediate_size * ACT + h * ACT)  # in, swiglu, out
-    return norm + router + experts
+def expert_capacity(tokens: int, s: ModelSpec, capacity_factor: float) -> int:
+    """Slots per expert: ceil(tokens / E · capacity_factor · k), at least MIN_CAPACITY."""
+    e, k = s.num_local_experts, s.num_experts_per_tok
+    return max(math.ceil(tokens / e * capacity_factor * k), MIN_CAPACITY)
 
 
-@lru_cache(maxsize=1024)
-def layer_bytes_per_token(s: ModelSpec, layer_type: str, capacity_factor: float) -> float:
-    """Saved bytes per *input* token of one layer without checkpointing."""
-    if layer_type in ("moe", "hybrid"):
-        mlp = moe_bytes_per_token(s, capacity_factor)
-    else:
-        mlp = mlp_bytes_per_token(s.hidden_size, s.intermediate_size)
-    block = attention_block_bytes_per_token(s) + mlp
-    if layer_type in ("mod", "hybrid"):
-        # router input (full sequence) + the gathered tokens' block + the weighted delta
-        return s.hidden_size * ACT + F32 + s.mod_capacity * (block + s.hidden_size * ACT)
-    return block
+def moe_layer_bytes(s: ModelSpec, tokens: int, capacity_factor: float) -> float:
+    """Bytes of one MoE layer that `tokens` tokens enter (attention half included).
+
+    Per token: the RMSNorm before the router keeps its fp32 copy, 1/rms and 16-bit cast (6h + 4; its
+    output is gathered, not kept); the router input in fp32 (4h); fp32 logits and softmax (8E) and a
+    bool mask (E); routing indices, weights and masks (31k bytes for top-k); the combine's gathered
+    expert outputs (2kh). Per capacity slot (E·C of them): the dispatched input (2h), the expert's
+    SwiGLU (8f) and the slot's source index (8). Per layer: the fp32 copy of the router weight (4Eh).
+    """
+    h, e, k, f = s.hidden_size, s.num_local_experts, s.num_experts_per_tok, s.moe_intermediate_size
+    slots = e * expert_capacity(tokens, s, capacity_factor)
+    per_token = attention_half_bytes(s) + 6 * h + 4 + 4 * h + 9 * e + 4 + 31 * k + 2 * k * h
+    return tokens * per_token + slots * (2 * h + 8 * f + 8) + 4 * e * h + 4 * e + 8
 
 
+def mod_selected(s: ModelSpec, seq_len: int) -> int:
+    return math.ceil(s.mod_capacity * seq_len)
+
+
+def layer_bytes(s: ModelSpec, layer_type: str, seq_len: int, micro_batch: int, capacity_factor: float) -> float:
+    """Saved bytes of one layer for a micro-batch, without checkpointing."""
+    tokens = seq_len * micro_batch
+    if layer_type == "dense":
+        return tokens * dense_layer_bytes(s)
+    if layer_type == "moe":
+        return moe_layer_bytes(s, tokens, capacity_factor)
+    # MoD-routed: over all tokens, the router input (2h), 16-bit logit (2) and fp32 BCE terms (8);
+    # over the selected tokens, the block (dense or MoE) plus gathered RoPE cos/sin (4·head_dim),
+    # two index tensors and the router weight (18) and the weighted output delta (2h).
+    selected = micro_batch * mod_selected(s, seq_len)
+    routing = tokens * (2 * s.hidden_size + 10) + selected * (4 * s.head_dim + 18 + 2 * s.hidden_size)
+    if layer_type == "mod":
+        return routing + selected * dense_layer_bytes(s)
+    return routing + moe_layer_bytes(s, selected, capacity_factor)
+
+
+def head_bytes(s: ModelSpec, seq_len: int, micro_batch: int) -> int:
+    """Outside the layers: token ids (8), final RMSNorm (8h + 4), the loss's fp32 log-softmax (4V)
+    and targets (8); RoPE cos/sin once per position (4·head_dim, shared by all layers)."""
+    tokens = seq_len * micro_batch
+    return tokens * (8 * s.hidden_size + 4 * s.vocab_size + 20) + 4 * s.head_dim * seq_len
+
+
+@lru_cache(maxsize=4096)
 def activation_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool,
-                     capacity_factor: float = 1.0, ep_size: int = 1) -> int:
-    """Bytes autograd holds across all layers at the end of the forward pass."""
+                     capacity_factor: float = 1.0) -> int:
+    """Bytes autograd holds at the end of the forward pass (logits' log-softmax included)."""
     tokens = seq_len * micro_batch
     if checkpointing:
-        # full checkpointing keeps each layer's input only
-        return int(len(s.layer_types) * tokens * s.hidden_size * ACT)
-    del ep_size  # all-to-all moves slots between GPUs; each GPU still holds its tokens' slots
-    return int(model_bytes_per_token(s, capacity_factor) * tokens)
+        # full checkpointing keeps each layer's input only; RoPE tables are recomputed with the layer
+        layers = len(s.layer_types) * tokens * 2 * s.hidden_size
+        return int(layers + tokens * (8 * s.hidden_size + 4 * s.vocab_size + 20))
+    layers = sum(layer_bytes(s, t, seq_len, micro_batch, capacity_factor) for t in s.layer_types)
+    return int(layers + head_bytes(s, seq_len, micro_batch))
 
 
-@lru_cache(maxsize=1024)
-def model_bytes_per_token(s: ModelSpec, capacity_factor: float) -> float:
-    return sum(layer_bytes_per_token(s, t, capacity_factor) for t in s.layer_types)
+def moe_backward_bytes(s: ModelSpec, tokens: int, capacity_factor: float) -> float:
+    """Working set of one MoE layer's backward, fitted to measurements of random shapes: gradients of
+    the gathered tokens (2.8h per token) and of the dispatched capacity slots (5.6h per slot)."""
+    slots = s.num_local_experts * expert_capacity(tokens, s, capacity_factor)
+    return 2.8 * tokens * s.hidden_size + 5.6 * slots * s.hidden_size
 
 
-def logits_bytes(s: ModelSpec, seq_len: int, micro_batch: int) -> int:
-    """16-bit logits, their fp32 upcast and the loss's saved log-softmax, at the start of backward."""
-    tokens = seq_len * micro_batch
-    return int(tokens * s.vocab_size * (ACT + F32 + F32) + tokens * s.hidden_size * ACT)
+def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool,
+                        capacity_factor: float = 1.0) -> int:
+    """Activation-side bytes at the peak of backward: saved tensors plus the working set.
 
-
-def transient_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool,
-                    capacity_factor: float = 1.0) -> int:
-    """Working memory on top of saved tensors while one layer runs backward.
-
-    Gradients of that layer's activations are about as large as its saved tensors; with
-    checkpointing the layer's forward is recomputed first, so its activations are live too.
-    The fp32 gradient of the logits also exists while the LM head runs backward.
+    Measured (tests/fidelity): the loss's backward adds 8 bytes per logit (the fp32 gradient of the
+    logits and its 16-bit cast) while the rest is still saved. An MoE layer's backward can exceed that
+    (`moe_backward_bytes`), the loss's log-softmax being freed by then. With checkpointing a layer's
+    recomputed activations and their gradients come on top of the kept layer inputs (dense: its saved
+    bytes + 8h + 2.5f per token).
     """
     tokens = seq_len * micro_batch
-    worst_layer = max(layer_bytes_per_token(s, t, capacity_factor) for t in set(s.layer_types))
-    layer = worst_layer * tokens
-    logits_grad = tokens * s.vocab_size * F32
-    return int(max(logits_grad, layer * (2 if checkpointing else 1)))
+    saved = activation_bytes(s, seq_len, micro_batch, checkpointing, capacity_factor)
+    loss_peak = saved + tokens * 8 * s.vocab_size
+    selected = micro_batch * mod_selected(s, seq_len)
+
+    def working(layer_type: str) -> float:
+        if layer_type == "moe":
+            return moe_backward_bytes(s, tokens, capacity_factor)
+        if layer_type == "hybrid":
+            return moe_backward_bytes(s, selected, capacity_factor)
+        f = s.intermediate_size
+        return tokens * (8 * s.hidden_size + 2.5 * f) if checkpointing else 0.0
+
+    types = set(s.layer_types)
+    if not checkpointing:
+        # the top MoE layer's backward runs while 6.5 bytes per logit of the loss's backward remain
+        layer_peak = saved + tokens * 6.5 * s.vocab_size + max(working(t) for t in types)
+        return int(max(loss_peak, layer_peak))
+    inputs = len(s.layer_types) * tokens * 2 * s.hidden_size + tokens * (8 * s.hidden_size + 20)
+    recompute = max(layer_bytes(s, t, seq_len, micro_batch, capacity_factor) + working(t) for t in types)
+    return int(max(loss_peak, inputs + recompute))

@@ -110,7 +110,7 @@ def candidate_dict(c: Candidate) -> dict:
         "memory": dict(c.memory.parts),
         "memory_phases": {"persistent": c.memory.persistent_bytes, "backward": c.memory.backward_bytes,
                           "optimizer_step": c.memory.step_bytes, "peak_phase": c.memory.peak_phase},
-        "activation_bytes": c.memory.parts["activations"],
+        "activation_bytes": c.memory.parts["activations"] + c.memory.parts["logits_and_loss"],
         "model_state_bytes": c.memory.model_state_bytes,
         "peak_gpu_bytes": c.memory.peak_gpu_bytes,
         "host_bytes": c.memory.host_bytes_per_node,

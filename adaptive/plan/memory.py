@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from adaptive.plan.activations import activation_bytes, logits_bytes, transient_bytes
+from adaptive.plan.activations import activation_bytes, backward_peak_bytes
 from adaptive.plan.params import ParamCounts, count_params
 from adaptive.plan.presets import ModelSpec
 
@@ -174,12 +174,13 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
     parts = model_state_bytes(setup, counts)
     offload = setup.offload_optimizer
     parts["zero3_grad_partition"] = int(2 * partition) if setup.zero_stage == 3 and not offload else 0
-    parts["activations"] = activation_bytes(setup.spec, setup.seq_len, setup.micro_batch_size,
-                                            setup.gradient_checkpointing, setup.capacity_factor,
-                                            setup.ep_size)
-    parts["logits_and_loss"] = logits_bytes(setup.spec, setup.seq_len, setup.micro_batch_size)
-    parts["backward_transient"] = transient_bytes(setup.spec, setup.seq_len, setup.micro_batch_size,
-                                                  setup.gradient_checkpointing, setup.capacity_factor)
+    saved = activation_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, setup.gradient_checkpointing,
+                             setup.capacity_factor)
+    log_softmax = setup.tokens_per_micro_batch * setup.spec.vocab_size * 4
+    parts["activations"] = saved - log_softmax
+    parts["logits_and_loss"] = log_softmax  # the loss keeps its fp32 log-softmax for backward
+    parts["backward_transient"] = backward_peak_bytes(setup.spec, setup.seq_len, setup.micro_batch_size,
+                                                      setup.gradient_checkpointing, setup.capacity_factor) - saved
     parts["comm_buckets"] = comm_buffer_bytes(setup, counts)
 
     # Which gradient bytes persist: ZeRO-1/2 keep a 16-bit partition buffer between steps and build

@@ -1,0 +1,274 @@
+"""Measure real training steps of a real model with fake tensors: no memory, no GPU.
+
+The model class (ours for presets and our exports; transformers' for Llama, Mistral, Qwen2, Mixtral
+and Qwen2-MoE config.json files) is built under `FakeTensorMode` in 16-bit precision and runs
+forward, backward and an AdamW step. Two instruments watch it:
+
+- `torch.autograd.graph.saved_tensors_hooks` counts every tensor autograd keeps for backward
+  (unique storages, parameters and their views excluded): the activation bytes;
+- `PeakBytes`, a dispatch mode that follows every storage's life, gives the live bytes between
+  steps (persistent) and the peaks during backward and during the optimizer step.
+
+Model states are laid out the way DeepSpeed does on one GPU (16-bit params; fp32 master weights and
+Adam moments; ZeRO-0 builds 16-bit then fp32 gradients for the step; ZeRO-1/2 keep a 16-bit gradient
+partition and double-buffered reduce buckets and build fp32 gradients for the step). That layout is
+checked against real DeepSpeed engines in tests/plan/test_memory_measured_deepspeed.py; what this
+module measures is the model's own activations, logits and backward working set.
+
+Deep models are measured at two reduced depths and extrapolated per layer: every measured quantity
+is linear in the number of layers of a repeating pattern (each layer adds its own activations,
+parameters and states; the working set of one layer does not grow with depth).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, replace
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from adaptive.plan.presets import ModelSpec, layer_pattern
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Phases:
+    """Bytes measured in one run (or extrapolated to full depth)."""
+
+    activations: int  # saved for backward at the end of forward
+    persistent: int  # live between steps: params, master weights, moments, gradient buffers
+    backward: int  # peak during forward+backward, above persistent
+    step: int  # peak during the optimizer step, above persistent
+
+    @property
+    def peak(self) -> int:
+        return self.persistent + max(self.backward, self.step)
+
+    def extrapolate(self, other: "Phases", depth: int, other_depth: int, target: int) -> "Phases":
+        """Linear in depth through (depth, self) and (other_depth, other), evaluated at `target`."""
+        scale = (target - depth) / (other_depth - depth)
+        values = [a + (b - a) * scale for a, b in zip(self.as_tuple(), other.as_tuple())]
+        return Phases(*(int(round(v)) for v in values))
+
+    def as_tuple(self) -> tuple[int, int, int, int]:
+        return (self.activations, self.persistent, self.backward, self.step)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    phases: Phases
+    method: str  # exactly what ran, in words
+    depths: tuple[int, ...]  # layer counts actually built
+    layers_total: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.phases.peak
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.phases.activations
+
+
+class PeakBytes(TorchDispatchMode):
+    """Live bytes of every storage created inside the mode, and their peak per phase.
+
+    `torch.distributed._tools.mem_tracker.MemTracker` does the same and sorts bytes into categories,
+    but walks every live tensor on each operation: minutes per step for an MoE with thousands of
+    expert weights. This counter is O(1) per operation: a finalizer on each storage subtracts it.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._seen = WeakIdKeyDictionary()
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def _release(self, nbytes: int) -> None:
+        self.current -= nbytes
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage in self._seen:
+            return
+        self._seen[storage] = True
+        nbytes = storage.nbytes()
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._release, nbytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+
+def is_parameter_view(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (linear layers save `weight.t()`): not an activation."""
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad
+
+
+@contextlib.contextmanager
+def count_saved_bytes(result: dict):
+    """Counts unique storages autograd saves, parameters excluded, into result["bytes"]."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not is_parameter_view(t):
+            storage = t.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+    result["bytes"] = sum(seen.values())
+
+
+def build_model(spec: ModelSpec, hf_config: dict | None, dtype: torch.dtype, checkpointing: bool,
+                attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """Our model class for presets and our exports; transformers' class for other HF configs."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        if hf_config is not None and hf_config.get("model_type") != "adaptive":
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            cfg = AutoConfig.for_model(**hf_config)
+            cfg._attn_implementation = attn_implementation
+            model = AutoModelForCausalLM.from_config(cfg)
+        else:
+            from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
+
+            model = AdaptiveForCausalLM(AdaptiveConfig.from_spec(spec))
+    finally:
+        torch.set_default_dtype(previous)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+class EmulatedZeroOptimizer:
+    """DeepSpeed's single-GPU mixed-precision state layout around a fused torch AdamW (module doc)."""
+
+    def __init__(self, model: torch.nn.Module, zero_stage: int, bucket_elements: int):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.master = [p.detach().float().requires_grad_(True) for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.master, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+        self.partitioned = zero_stage in (1, 2, 3)
+        self.grad_partition: list[torch.Tensor] = []
+        if self.partitioned:
+            self.grad_partition = [torch.zeros_like(p) for p in self.params]
+            dtype = self.params[0].dtype
+            self.buckets = [torch.empty(max(bucket_elements, 1), dtype=dtype) for _ in range(2)]
+            for p, g in zip(self.params, self.grad_partition):
+                p.register_post_accumulate_grad_hook(_move_grad_into(g))
+
+    def step(self) -> None:
+        grads = self.grad_partition if self.partitioned else [p.grad for p in self.params]
+        for m, g in zip(self.master, grads):
+            m.grad = g.float()
+        for p in self.params:
+            p.grad = None
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+                m.grad = None
+            for g in self.grad_partition:
+                g.zero_()
+
+
+def _move_grad_into(buffer: torch.Tensor):
+    def hook(p: torch.Tensor) -> None:
+        buffer.add_(p.grad)
+        p.grad = None
+
+    return hook
+
+
+def run_phases(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool, *, zero_stage: int = 0,
+               dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int = 0) -> Phases:
+    """Two training steps on fake tensors; the second (optimizer states exist by then) is measured."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        tracker = PeakBytes()
+        with tracker:
+            model = build_model(spec, hf_config, DTYPES[dtype], checkpointing)
+            optimizer = EmulatedZeroOptimizer(model, zero_stage, bucket_elements)
+            ids = torch.randint(0, spec.vocab_size, (micro_batch, seq_len))
+            saved: dict = {}
+            for last in (False, True):
+                persistent = tracker.current
+                tracker.reset_peak()
+                with count_saved_bytes(saved) if last else contextlib.nullcontext():
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                del loss
+                backward = tracker.peak - persistent
+                tracker.reset_peak()
+                optimizer.step()
+                step = tracker.peak - persistent
+    return Phases(activations=saved["bytes"], persistent=persistent, backward=backward, step=step)
+
+
+def reduced(spec: ModelSpec, hf_config: dict | None, depth: int) -> tuple[ModelSpec, dict | None]:
+    """The same model with `depth` layers (the per-layer pattern restarted)."""
+    shallow = replace(spec, num_hidden_layers=depth, layer_types=tuple(spec.layer_types[:depth]))
+    if spec.source == "preset":
+        shallow = replace(shallow, layer_types=layer_pattern(spec.arch, depth))
+    cfg = None
+    if hf_config is not None:
+        cfg = dict(hf_config, num_hidden_layers=depth)
+        if "block_types" in cfg:
+            cfg["block_types"] = list(shallow.layer_types)
+        if cfg.get("mlp_only_layers"):
+            cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < depth]
+    return shallow, cfg
+
+
+def pattern_period(spec: ModelSpec, hf_config: dict | None) -> int:
+    """Layers after which the per-layer pattern repeats."""
+    if hf_config and hf_config.get("mlp_only_layers"):
+        return spec.num_hidden_layers  # irregular: no shorter period
+    types = spec.layer_types
+    for period in range(1, len(types) + 1):
+        if all(types[i] == types[i % period] for i in range(len(types))):
+            return period
+    return len(types)
+
+
+def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool, *, zero_stage: int = 0,
+                 dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int = 0,
+                 full_depth: bool = False) -> Measurement:
+    """Measure at full depth, or at two depths (2 and 4 repeats of the layer pattern) extrapolated."""
+    kw = dict(zero_stage=zero_stage, dtype=dtype, hf_config=hf_config, bucket_elements=bucket_elements)
+    total = spec.num_hidden_layers
+    period = pattern_period(spec, hf_config)
+    d1, d2 = 2 * period, 4 * period
+    name = hf_config["model_type"] if hf_config and hf_config.get("model_type") != "adaptive" else "adaptive"
+    what = (f"the {name} model class on fake tensors (no memory), {dtype}, micro-batch {micro_batch} x "
+            f"sequence {seq_len}{', full activation checkpointing' if checkpointing else ''}: two training steps "
+            f"(forward, backward, fused AdamW on fp32 master weights) in DeepSpeed ZeRO-{zero_stage}'s one-GPU "
+            f"state layout; activations from saved_tensors_hooks, bytes from a storage-lifetime counter")
+    if full_depth or total <= d2:
+        phases = run_phases(spec, seq_len, micro_batch, checkpointing, **kw)
+        return Measurement(phases, f"{what}; all {total} layers built", (total,), total)
+    s1, c1 = reduced(spec, hf_config, d1)
+    s2, c2 = reduced(spec, hf_config, d2)
+    p1 = run_phases(s1, seq_len, micro_batch, checkpointing, **dict(kw, hf_config=c1))
+    p2 = run_phases(s2, seq_len, micro_batch, checkpointing, **dict(kw, hf_config=c2))
+    phases = p1.extrapolate(p2, d1, d2, total)
+    return Measurement(phases, f"{what}; built at {d1} and {d2} layers and extrapolated per layer to {total}",
+                       (d1, d2), total)
