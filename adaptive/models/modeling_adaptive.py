@@ -1,0 +1,595 @@
+"""Adaptive decoder: Llama-style blocks (RMSNorm, RoPE, GQA, SwiGLU, SDPA) whose MLP may be an MoE
+(`moe.py`, `moe_deepspeed.py`) and whose whole block may be MoD-routed (`mod.py`), per
+`config.block_types`. Reads top-down: norm, rotary, MLP, attention, decoder layer, outputs,
+PreTrainedModel, model, ForCausalLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.utils import ModelOutput, can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
+
+from adaptive.errors import AdaptiveError
+from adaptive.models.configuration_adaptive import AdaptiveConfig
+from adaptive.models.mod import (
+    MoDRouter,
+    MoDStats,
+    gather_tokens,
+    install_routed_cache_layers,
+    plan_routing,
+    routed_attention_mask,
+    scatter_delta,
+)
+from adaptive.models.moe import MoEStats, NativeMoE
+
+logger = logging.get_logger(__name__)
+
+
+class AdaptiveRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        hidden_states = hidden_states.float()
+        hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * hidden_states.to(dtype)
+
+
+class AdaptiveRotaryEmbedding(nn.Module):
+    def __init__(self, config: AdaptiveConfig):
+        super().__init__()
+        self.config = config
+        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters.get("rope_type", "default")
+        rope_init_fn = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: AdaptiveConfig, **kwargs) -> tuple[torch.Tensor, float]:
+        base = config.rope_parameters["rope_theta"]
+        dim = config.head_dim
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class AdaptiveMLP(nn.Module):
+    """SwiGLU. Also the expert module of the MoE blocks."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu"):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = ACT2FN[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    if n_rep == 1:
+        return hidden_states
+    batch, heads, seq, dim = hidden_states.shape
+    return hidden_states[:, :, None].expand(batch, heads, n_rep, seq, dim).reshape(batch, heads * n_rep, seq, dim)
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+class RoutedKeys(NamedTuple):
+    """Positions/validity of the gathered tokens a routed layer attends over."""
+
+    positions: torch.Tensor  # [B, K]
+    valid: torch.Tensor | None  # [B, K] bool, None = all valid
+    plain_causal: bool  # sorted, all valid, no cache: the gathered tokens need only a causal mask
+
+
+class AdaptiveAttention(nn.Module):
+    def __init__(self, config: AdaptiveConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        q_dim, kv_dim = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.o_bias)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, routed=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+
+        if routed is None:
+            if cache is not None:
+                key, value = cache.update(key, value, self.layer_idx)
+        else:
+            key, value, attention_mask = self._routed_keys_and_mask(routed, key, value, cache, query.dtype)
+
+        interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        output, weights = interface(
+            self, query, key, value, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
+        )
+        return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
+
+    def _routed_keys_and_mask(self, routed: RoutedKeys, key, value, cache, dtype):
+        """Keys/values (cached ones first) and the mask for a routed layer's gathered tokens."""
+        sdpa = self.config._attn_implementation == "sdpa"
+        if cache is None:
+            if routed.plain_causal and sdpa:
+                return key, value, None  # SDPA's is_causal on the gathered, position-sorted tokens
+            key_positions, key_valid = routed.positions, routed.valid
+        else:
+            layer = cache.layers[self.layer_idx]
+            key, value, key_positions, key_valid = layer.append(key, value, routed.positions, routed.valid)
+        mask = routed_attention_mask(routed.positions, key_positions, key_valid)
+        if not sdpa:  # eager adds the mask to the scores
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+        return key, value, mask
+
+
+class LayerOutput(NamedTuple):
+    moe: MoEStats | None
+    mod: MoDStats | None
+    attention: torch.Tensor | None
+
+
+def build_mlp(config: AdaptiveConfig, layer_type: str) -> nn.Module:
+    if layer_type not in ("moe", "hybrid"):
+        return AdaptiveMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act)
+    expert = AdaptiveMLP(config.hidden_size, config.moe_intermediate_size, config.mlp_bias, config.hidden_act)
+    knobs = dict(
+        capacity_factor=config.capacity_factor, eval_capacity_factor=config.eval_capacity_factor,
+        min_capacity=config.min_capacity, drop_tokens=config.drop_tokens,
+        noisy_gate_policy=config.noisy_gate_policy, top2_2nd_expert_sampling=config.top2_2nd_expert_sampling,
+    )
+    if config.moe_implementation == "deepspeed":
+        from adaptive.models.moe_deepspeed import DeepSpeedMoE  # imports deepspeed: only on demand
+
+        return DeepSpeedMoE(config.hidden_size, expert, config.num_local_experts, config.num_experts_per_tok,
+                            config.ep_size, **knobs)
+    return NativeMoE(config.hidden_size, expert, config.num_local_experts, config.num_experts_per_tok, **knobs)
+
+
+class AdaptiveDecoderLayer(GradientCheckpointingLayer):
+    """Attention + (SwiGLU | MoE); MoD-routed when block_types[layer_idx] is "mod" or "hybrid"."""
+
+    def __init__(self, config: AdaptiveConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.layer_type = config.block_types[layer_idx]
+        self.self_attn = AdaptiveAttention(config, layer_idx)
+        self.mlp = build_mlp(config, self.layer_type)
+        self.input_layernorm = AdaptiveRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = AdaptiveRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.is_moe = self.layer_type in ("moe", "hybrid")
+        routed = self.layer_type in ("mod", "hybrid")
+        self.mod = MoDRouter(config.hidden_size, config.mod_predictor_hidden_size) if routed else None
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        padding_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, LayerOutput]:
+        if self.mod is None:
+            delta, moe, attn = self._block(hidden_states, position_embeddings, attention_mask, cache, None, **kwargs)
+            return hidden_states + delta, LayerOutput(moe, None, attn)
+        return self._routed_forward(hidden_states, position_ids, cache, position_embeddings, padding_mask, **kwargs)
+
+    def _block(self, hidden_states, position_embeddings, attention_mask, cache, routed, **kwargs):
+        """The block's output delta (attention + MLP), its MoE stats and attention weights."""
+        attn, weights = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, routed, **kwargs
+        )
+        mlp_in = self.post_attention_layernorm(hidden_states + attn)
+        moe = None
+        if self.is_moe:
+            mlp_out, moe = self.mlp(mlp_in)
+        else:
+            mlp_out = self.mlp(mlp_in)
+        return attn + mlp_out, moe, weights
+
+    def _routing_mode(self) -> str:
+        mode = self.config.mod_routing
+        return ("topk" if self.training else "causal") if mode == "auto" else mode
+
+    def _routed_forward(self, hidden_states, position_ids, cache, position_embeddings, padding_mask, **kwargs):
+        batch, seq, _ = hidden_states.shape
+        mode = self._routing_mode()
+        logits, predicted = self.mod(hidden_states)
+        pad = None if padding_mask is None else ~padding_mask
+        plan = plan_routing(logits, predicted, self.config.mod_capacity, mode, self.config.mod_router_weight, pad)
+        layer_cache = cache.layers[self.layer_idx] if cache is not None else None
+        if plan.index.shape[1] == 0:  # causal routing chose no token in the whole batch
+            if layer_cache is not None:
+                layer_cache.advance(seq)
+            moe = _empty_moe_stats(self.config, hidden_states.device) if self.is_moe else None
+            return hidden_states, LayerOutput(moe, plan.stats, None)
+
+        positions = gather_tokens(position_ids.expand(batch, seq), plan.index)
+        cos, sin = (gather_tokens(t.expand(batch, seq, -1), plan.index) for t in position_embeddings)
+        routed = _routed_keys(positions, plan.valid, plain=mode == "topk" and cache is None)
+        selected = gather_tokens(hidden_states, plan.index)
+        delta, moe, attn = self._block(selected, (cos, sin), None, cache, routed, **kwargs)
+        if layer_cache is not None:
+            layer_cache.advance(seq)
+        out = scatter_delta(hidden_states, plan.index, delta * plan.weight.unsqueeze(-1).to(delta.dtype))
+        return out, LayerOutput(moe, plan.stats, attn)
+
+
+def _routed_keys(positions, valid, plain: bool) -> RoutedKeys:
+    return RoutedKeys(positions, valid, plain and valid is None)
+
+
+def _empty_moe_stats(config: AdaptiveConfig, device) -> MoEStats:
+    zero = torch.zeros((), device=device)
+    counts = torch.zeros(config.num_local_experts, dtype=torch.long, device=device)
+    return MoEStats(zero, zero, counts, zero, torch.zeros(0, config.num_local_experts, device=device))
+
+
+@dataclass
+class AdaptiveRouterStats(ModelOutput):
+    """Router statistics of one forward, stacked per routed layer; tensors stay on the device.
+
+    Row i of the MoE fields is layer `moe_layers[i]`, row j of the MoD fields layer `mod_layers[j]`.
+    With DeepSpeed expert parallelism the counts are this rank's tokens.
+    """
+
+    expert_counts: torch.Tensor | None = None  # [L_moe, E] int64, before dropping
+    dropped_fraction: torch.Tensor | None = None  # [L_moe]
+    load_balancing_loss: torch.Tensor | None = None  # [L_moe], unweighted l_aux
+    z_loss: torch.Tensor | None = None  # [L_moe], unweighted
+    mod_skip_rate: torch.Tensor | None = None  # [L_mod]
+    mod_router_agreement: torch.Tensor | None = None  # [L_mod]: (causal logit > 0) == top-k mask
+    mod_bce_loss: torch.Tensor | None = None  # [L_mod], unweighted
+    moe_layers: tuple[int, ...] | None = None
+    mod_layers: tuple[int, ...] | None = None
+
+
+@dataclass
+class AdaptiveModelOutputWithPast(ModelOutput):
+    last_hidden_state: torch.Tensor | None = None
+    cache: Cache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+    aux_loss: torch.Tensor | None = None
+    router_stats: AdaptiveRouterStats | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class AdaptiveCausalLMOutputWithPast(ModelOutput):
+    """Like transformers' MoeCausalLMOutputWithPast, plus router statistics.
+
+    `loss` = LM loss + `aux_loss` (when labels are given). `past_key_values` still reads `cache`. `aux_loss` = router_aux_loss_coef * mean
+    l_aux + router_z_loss_coef * mean z-loss over MoE layers + mod_aux_loss_coef * mean BCE over MoD
+    layers; None for a dense model.
+    """
+
+    loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache: Cache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+    router_stats: AdaptiveRouterStats | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
+
+
+def _collect_router_stats(config: AdaptiveConfig, outputs: list[LayerOutput]):
+    moe = [o.moe for o in outputs if o.moe is not None]
+    mod = [o.mod for o in outputs if o.mod is not None]
+    if not moe and not mod:
+        return None, None
+    stats = AdaptiveRouterStats(moe_layers=tuple(config.moe_layers), mod_layers=tuple(config.mod_layers))
+    aux = 0.0
+    if moe:
+        stats.expert_counts = torch.stack([m.expert_counts for m in moe])
+        stats.dropped_fraction = torch.stack([m.dropped_fraction for m in moe])
+        stats.load_balancing_loss = torch.stack([m.l_aux for m in moe])
+        stats.z_loss = torch.stack([m.z_loss for m in moe])
+        aux = aux + config.router_aux_loss_coef * stats.load_balancing_loss.mean()
+        if config.router_z_loss_coef:
+            aux = aux + config.router_z_loss_coef * stats.z_loss.mean()
+    if mod:
+        stats.mod_skip_rate = torch.stack([m.skip_rate for m in mod])
+        stats.mod_router_agreement = torch.stack([m.router_agreement for m in mod])
+        stats.mod_bce_loss = torch.stack([m.bce_loss for m in mod])
+        aux = aux + config.mod_aux_loss_coef * stats.mod_bce_loss.mean()
+    return aux, stats
+
+
+class AdaptivePreTrainedModel(PreTrainedModel):
+    config: AdaptiveConfig
+    config_class = AdaptiveConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["AdaptiveDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = False  # routed layers need an arbitrary boolean mask
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _can_compile_fullgraph = False  # MoD causal routing and grouped MoE dispatch are data-dependent
+    _keys_to_ignore_on_load_unexpected = [r"deepspeed_experts\.\d+\."]  # other ranks' experts under EP
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if hasattr(module, "e_score_correction_bias"):
+            init.zeros_(module.e_score_correction_bias)
+
+    def moe_gates(self) -> list[nn.Module]:
+        """Every MoE gate, in layer order. Each has `e_score_correction_bias` [E] (selection-only bias)."""
+        return [m.gate for m in self.modules() if isinstance(m, NativeMoE) or _is_deepspeed_moe(m)]
+
+    def setup_expert_parallel(self) -> None:
+        """Create DeepSpeed's process groups for DeepSpeed MoE blocks (after torch.distributed is up,
+        or it initialises a single-process group). Idempotent; deepspeed.initialize also does it."""
+        if self.config.moe_implementation == "deepspeed" and self.config.moe_layers:
+            from adaptive.models.moe_deepspeed import ensure_expert_parallel
+
+            ensure_expert_parallel(self)
+
+    def load_global_state_dict(self, state_dict: dict, strict: bool = True):
+        """Load a full (all experts) state dict; under expert parallelism, keep this rank's experts only."""
+        if self.config.ep_size > 1 and self.config.moe_layers:
+            from adaptive.models.moe_deepspeed import expert_parallel_rank, localize_expert_state_dict
+
+            self.setup_expert_parallel()
+            rank = expert_parallel_rank(self.config.ep_size)
+            state_dict = localize_expert_state_dict(state_dict, self.config.num_local_experts,
+                                                    self.config.ep_size, rank)
+        return self.load_state_dict(state_dict, strict=strict)
+
+    def global_state_dict(self) -> dict:
+        """The full state dict with global expert ids; a collective under expert parallelism."""
+        if self.config.ep_size > 1 and self.config.moe_layers:
+            from adaptive.models.moe_deepspeed import globalize_expert_state_dict
+
+            return globalize_expert_state_dict(self)
+        return self.state_dict()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' loader; under expert parallelism it then reloads this rank's experts by global id."""
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        if model.config.ep_size > 1 and model.config.moe_layers:
+            from adaptive.models.moe_deepspeed import load_local_experts
+
+            model.setup_expert_parallel()
+            load_local_experts(model, pretrained_model_name_or_path)
+        return model
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """A portable checkpoint: every expert, and a config that loads with the native MoE on one device.
+
+        Under expert parallelism the experts are gathered first: call it on every rank, with
+        `is_main_process=(rank == 0)`.
+        """
+        config = self.config
+        if config.ep_size > 1 and config.moe_layers and kwargs.get("state_dict") is None:
+            kwargs["state_dict"] = self.global_state_dict()
+        running = config.moe_implementation, config.ep_size
+        config.moe_implementation, config.ep_size = "native", 1
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            config.moe_implementation, config.ep_size = running
+
+
+def _is_deepspeed_moe(module: nn.Module) -> bool:
+    return type(module).__name__ == "DeepSpeedMoE"
+
+
+class AdaptiveModel(AdaptivePreTrainedModel):
+    def __init__(self, config: AdaptiveConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([AdaptiveDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = AdaptiveRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = AdaptiveRotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        output_router_logits: bool | None = None,
+        **kwargs,
+    ) -> AdaptiveModelOutputWithPast:
+        config = self.config
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        use_cache = config.use_cache if use_cache is None else use_cache
+        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        output_router_logits = config.output_router_logits if output_router_logits is None else output_router_logits
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            use_cache = False  # the checkpointed layers drop the cache anyway
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=config)
+        if cache is not None:
+            install_routed_cache_layers(cache, config.mod_layers, config.num_hidden_layers)
+        seq = inputs_embeds.shape[1]
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = (torch.arange(seq, device=inputs_embeds.device) + past).unsqueeze(0)
+
+        padding_mask = None
+        if attention_mask is not None and config.mod_layers:
+            if attention_mask.dim() != 2:
+                raise AdaptiveError("MoD-routed models take a 2D attention_mask (batch, past + new tokens)")
+            current = attention_mask[:, -seq:].bool()
+            padding_mask = None if bool(current.all()) else current  # unpadded batches keep the fast path
+        causal_mask = create_causal_mask(
+            config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+            position_ids=position_ids,
+        )
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        all_hidden = [hidden_states] if output_hidden_states else None
+        attentions = [] if output_attentions else None
+        layer_outputs: list[LayerOutput] = []
+        for layer in self.layers:
+            hidden_states, out = layer(
+                hidden_states, attention_mask=causal_mask, position_ids=position_ids, cache=cache,
+                use_cache=use_cache, position_embeddings=position_embeddings, padding_mask=padding_mask,
+                output_attentions=output_attentions, **kwargs,
+            )
+            layer_outputs.append(out)
+            if all_hidden is not None:
+                all_hidden.append(hidden_states)
+            if attentions is not None:
+                attentions.append(out.attention)
+        hidden_states = self.norm(hidden_states)
+        if all_hidden is not None:
+            all_hidden[-1] = hidden_states
+        aux_loss, router_stats = _collect_router_stats(config, layer_outputs)
+        router_logits = None
+        if output_router_logits:
+            router_logits = tuple(o.moe.router_logits for o in layer_outputs if o.moe is not None)
+        return AdaptiveModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            cache=cache if use_cache else None,
+            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
+            attentions=tuple(attentions) if attentions is not None else None,
+            aux_loss=aux_loss,
+            router_stats=router_stats,
+            router_logits=router_logits,
+        )
+
+
+class AdaptiveForCausalLM(AdaptivePreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: AdaptiveConfig):
+        super().__init__(config)
+        self.model = AdaptiveModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        output_router_logits: bool | None = None,
+        **kwargs,
+    ) -> AdaptiveCausalLMOutputWithPast:
+        """`labels` are the input ids (not shifted): the loss shifts them once, as in transformers."""
+        outputs: AdaptiveModelOutputWithPast = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions, output_router_logits=output_router_logits, **kwargs,
+        )
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            if outputs.aux_loss is not None:
+                loss = loss + outputs.aux_loss.to(loss.device)
+        return AdaptiveCausalLMOutputWithPast(
+            loss=loss,
+            aux_loss=outputs.aux_loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            router_stats=outputs.router_stats,
+            router_logits=outputs.router_logits,
+        )
+
+
+__all__ = [
+    "AdaptiveForCausalLM",
+    "AdaptiveModel",
+    "AdaptivePreTrainedModel",
+    "AdaptiveCausalLMOutputWithPast",
+    "AdaptiveModelOutputWithPast",
+    "AdaptiveRouterStats",
+]

@@ -1,0 +1,215 @@
+"""The MoE block on `deepspeed.moe.layer.MoE` (imported only when `moe_implementation="deepspeed"`).
+
+DeepSpeed's `MOELayer` does the dispatch, the expert all-to-all (`ep_size > 1`) and the combine; its
+gate is replaced by `DeepSpeedGate`, which routes with the same `route()` as the native block (so the
+two agree, and the selection bias works on DeepSpeed too).
+
+Expert parallelism: with `ep_size = P`, rank r of an expert-parallel group holds global experts
+`r * E/P ... (r+1) * E/P - 1` as local experts `0 ... E/P - 1` (DeepSpeed's layout). A global
+(HF) checkpoint maps onto it with `localize_expert_state_dict`; `AdaptivePreTrainedModel.
+load_global_state_dict` and `from_pretrained` do that for you.
+
+DeepSpeed MoE needs torch.distributed and its expert groups. `deepspeed.initialize` creates both;
+without it, `ensure_expert_parallel(model)` (called on the first forward) initialises a
+single-process group when nothing has, logs that, and creates the groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+
+import torch
+import torch.distributed as dist
+from deepspeed.moe.layer import MoE
+from deepspeed.moe.sharded_moe import TopKGate
+from torch import nn
+
+from adaptive.errors import AdaptiveError
+from adaptive.models.moe import MoEStats, _init_gate_state, gate_routes
+
+logger = logging.getLogger(__name__)
+
+_EXPERT_KEY = re.compile(r"^(.*\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\..*)$")
+
+
+class DeepSpeedGate(TopKGate):
+    """DeepSpeed's TopKGate with our routing (selection bias, DeepSpeed-identical math otherwise)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, k: int, capacity_factor: float,
+                 eval_capacity_factor: float | None, min_capacity: int, drop_tokens: bool,
+                 noisy_gate_policy: str | None, top2_2nd_expert_sampling: bool):
+        super().__init__(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor or 1.0, min_capacity,
+                         noisy_gate_policy, drop_tokens, False, None, top2_2nd_expert_sampling)
+        _init_gate_state(self, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity, drop_tokens,
+                         noisy_gate_policy, top2_2nd_expert_sampling)
+        self.last_stats: MoEStats | None = None
+
+    def forward(self, input, used_token=None, sparse_routes=False, use_tutel=False):  # noqa: A002 (DS's name)
+        assert sparse_routes and not use_tutel, "DeepSpeedGate serves MOELayer's sparse dispatch only"
+        routes = gate_routes(self, input, self.ep_group)
+        self.last_stats = routes.stats
+        return (routes.stats.l_aux, routes.capacity, self.num_experts, routes.experts.int(),
+                routes.locations.int(), routes.weights, routes.stats.expert_counts)
+
+
+class DeepSpeedMoE(MoE):
+    """deepspeed.moe.layer.MoE with our gate. forward(x) -> (y, MoEStats), like `NativeMoE`."""
+
+    def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int, k: int, ep_size: int,
+                 capacity_factor: float, eval_capacity_factor: float | None, min_capacity: int, drop_tokens: bool,
+                 noisy_gate_policy: str | None, top2_2nd_expert_sampling: bool):
+        super().__init__(hidden_size, expert, num_experts=num_experts, ep_size=ep_size, k=k,
+                         capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor or 1.0,
+                         min_capacity=min_capacity, use_residual=False, noisy_gate_policy=noisy_gate_policy,
+                         drop_tokens=drop_tokens, use_rts=False,
+                         top2_2nd_expert_sampling=top2_2nd_expert_sampling)
+        self.deepspeed_moe.gate = DeepSpeedGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor,
+                                                min_capacity, drop_tokens, noisy_gate_policy,
+                                                top2_2nd_expert_sampling)
+
+    @property
+    def gate(self) -> DeepSpeedGate:
+        return self.deepspeed_moe.gate
+
+    @property
+    def expert_parallel_ready(self) -> bool:
+        return self.deepspeed_moe.ep_group is not None
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        # Idempotent: deepspeed.initialize calls this again after ensure_expert_parallel may have.
+        if not self.expert_parallel_ready:
+            super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+        if not self.expert_parallel_ready:
+            ensure_distributed(hidden_states.device)
+            self.set_deepspeed_parallelism()
+        output, _, _ = super().forward(hidden_states)
+        return output, self.gate.last_stats
+
+
+def ensure_distributed(device: torch.device | None = None) -> None:
+    """Initialise torch.distributed for DeepSpeed MoE if nothing has; never fails for one process."""
+    if dist.is_initialized():
+        return
+    import deepspeed
+
+    launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    if not launched:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "gloo" if device is None or device.type == "cpu" else None
+    logger.warning(
+        "DeepSpeed MoE needs torch.distributed and nothing initialised it: initialising %s (backend=%s)",
+        "from the launcher's environment" if launched else "a single-process group", backend or "default",
+    )
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+def ensure_expert_parallel(model: nn.Module) -> None:
+    """Create DeepSpeed's expert/data-parallel groups for every DeepSpeed MoE block. Idempotent."""
+    blocks = [m for m in model.modules() if isinstance(m, DeepSpeedMoE)]
+    if not blocks or all(b.expert_parallel_ready for b in blocks):
+        return
+    device = next(model.parameters()).device
+    ensure_distributed(device)
+    ep_size = blocks[0].ep_size
+    if dist.get_world_size() % ep_size:
+        raise AdaptiveError(
+            f"ep_size ({ep_size}) must divide the world size ({dist.get_world_size()}); "
+            f"launch with torchrun --nproc_per_node {ep_size} or set ep_size=1"
+        )
+    for block in blocks:
+        block.set_deepspeed_parallelism()
+
+
+def expert_parallel_rank(ep_size: int) -> int:
+    """This process's rank inside its expert-parallel group (DeepSpeed's consecutive-rank layout)."""
+    if ep_size == 1:
+        return 0
+    from deepspeed.utils import groups
+
+    return groups._get_expert_parallel_rank(f"ep_size_{ep_size}")
+
+
+def localize_expert_state_dict(state_dict: dict, num_experts: int, ep_size: int, ep_rank: int) -> dict:
+    """A global state dict (experts 0..E-1) -> this rank's view (its E/ep_size experts, renumbered)."""
+    local = num_experts // ep_size
+    first = ep_rank * local
+    out = {}
+    for key, value in state_dict.items():
+        match = _EXPERT_KEY.match(key)
+        if match is None:
+            out[key] = value
+            continue
+        expert = int(match.group(2))
+        if first <= expert < first + local:
+            out[f"{match.group(1)}{expert - first}{match.group(3)}"] = value
+    return out
+
+
+def globalize_expert_state_dict(model: nn.Module) -> dict:
+    """The full state dict with global expert ids, gathered over the expert-parallel group.
+
+    A collective: call it on every rank. Each rank returns the same dict.
+    """
+    state = model.state_dict()
+    blocks = [m for m in model.modules() if isinstance(m, DeepSpeedMoE)]
+    if not blocks or blocks[0].ep_size == 1:
+        return state
+    ep_size = blocks[0].ep_size
+    group = blocks[0].deepspeed_moe.ep_group
+    local = blocks[0].num_local_experts
+    out = {}
+    for key, value in state.items():
+        match = _EXPERT_KEY.match(key)
+        if match is None:
+            out[key] = value
+            continue
+        gathered = [torch.empty_like(value) for _ in range(ep_size)]
+        dist.all_gather(gathered, value.contiguous(), group=group)
+        for rank, tensor in enumerate(gathered):
+            out[f"{match.group(1)}{rank * local + int(match.group(2))}{match.group(3)}"] = tensor
+    return out
+
+
+def load_local_experts(model: nn.Module, path: str) -> None:
+    """Copy this rank's experts (by global id) from the safetensors files in `path` into `model`."""
+    import glob
+
+    from safetensors import safe_open
+
+    if not os.path.isdir(path):
+        raise AdaptiveError(f"ep_size > 1 loads experts from a local directory; {path!r} is not one")
+    config = model.config
+    rank = expert_parallel_rank(config.ep_size)
+    params = dict(model.named_parameters())
+    prefix = model.base_model_prefix + "."
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                if _EXPERT_KEY.match(key) is None:
+                    continue
+                for name in localize_expert_state_dict({key: None}, config.num_local_experts, config.ep_size, rank):
+                    # checkpoints of the base model lack the "model." prefix, and vice versa
+                    for candidate in (name, name.removeprefix(prefix), prefix + name):
+                        if candidate in params:
+                            with torch.no_grad():
+                                params[candidate].copy_(f.get_tensor(key))
+                            break
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+__all__ = [
+    "DeepSpeedGate", "DeepSpeedMoE", "ensure_distributed", "ensure_expert_parallel", "expert_parallel_rank",
+    "localize_expert_state_dict", "globalize_expert_state_dict", "load_local_experts",
+]

@@ -1,0 +1,146 @@
+"""Step-time ratios of the adaptive model classes, measured side by side in one run on CPU.
+
+    PYTHONPATH=. python bench/bench_models.py            # full run, about 40 s on 2 cores
+    PYTHONPATH=. python bench/bench_models.py --quick    # smoke run
+
+Shape: hidden 256, 8 layers, GQA 8/2 heads, SwiGLU 2.75x, vocab 2048, batch 4 x seq 512. The ratios that
+matter are b1's: attention is ~20% of a layer's FLOPs at seq = hidden, the LM head ~6% of the model.
+Each step is forward + backward (loss.backward, grads zeroed), models interleaved, median of --repeats.
+
+Prints:
+- MoD (capacity 0.125, every other block) vs dense; target <= 0.65x (ideal ~0.56x);
+- MoD (capacity 0.5) vs dense;
+- native MoE (8 experts, top-2, every layer) vs a dense model with the same active parameters; target <= 1.3x;
+- our native MoE block vs transformers' MixtralSparseMoeBlock with the same weights (outputs checked equal
+  first); target: not slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
+
+SHAPE = dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
+
+
+def build(arch: str, **overrides) -> AdaptiveForCausalLM:
+    torch.manual_seed(0)
+    layers = SHAPE["num_hidden_layers"]
+    knobs = dict(mod_layer_freq=2, moe_layer_freq=1)
+    block_types = None
+    if arch != "dense":
+        from adaptive.plan.presets import layer_pattern
+
+        block_types = list(layer_pattern(arch, layers, knobs["moe_layer_freq"], knobs["mod_layer_freq"]))
+    config = AdaptiveConfig.from_preset("debug", arch=arch, **{**SHAPE, "block_types": block_types or ["dense"] * layers,
+                                                               "moe_intermediate_size": 704, **overrides})
+    return AdaptiveForCausalLM(config).train()
+
+
+def lm_step(model: torch.nn.Module, ids: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    model(ids, labels=ids).loss.backward()
+
+
+def block_step(block: torch.nn.Module, x: torch.Tensor) -> None:
+    block.zero_grad(set_to_none=True)
+    out = block(x)
+    out = out[0] if isinstance(out, tuple) else out
+    out.float().square().mean().backward()
+
+
+def time_interleaved(cases: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per call; one warm-up each, then the cases take turns."""
+    for fn in cases.values():
+        fn()
+    samples = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def mixtral_twin(block) -> torch.nn.Module:
+    """transformers' MixtralSparseMoeBlock carrying the weights of our native block."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    experts = block.deepspeed_moe.experts.deepspeed_experts
+    config = MixtralConfig(hidden_size=SHAPE["hidden_size"], intermediate_size=704, num_local_experts=len(experts),
+                           num_experts_per_tok=2)
+    twin = MixtralSparseMoeBlock(config)
+    with torch.no_grad():
+        twin.gate.weight.copy_(block.gate.wg.weight)
+        twin.experts.gate_up_proj.copy_(torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts]))
+        twin.experts.down_proj.copy_(torch.stack([e.down_proj.weight for e in experts]))
+    return twin.train()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--quick", action="store_true", help="2 repeats, seq 128")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.seq = 2, 128
+    torch.set_num_threads(args.threads)
+    ids = torch.randint(0, SHAPE["vocab_size"], (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+
+    models = {
+        "dense": build("dense"),
+        "mod_0.125": build("mod", mod_capacity=0.125),
+        "mod_0.5": build("mod", mod_capacity=0.5),
+        "moe_native": build("moe"),
+        "dense_same_active": build("dense", intermediate_size=2 * 704),
+    }
+    times = time_interleaved({name: (lambda m=m: lm_step(m, ids)) for name, m in models.items()}, args.repeats)
+
+    ours = build("moe", drop_tokens=False).model.layers[0].mlp.train()
+    theirs = mixtral_twin(ours)
+    x = torch.randn(args.batch * args.seq, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (ours(x)[0] - theirs(x[None])[0]).abs().max().item()
+    assert diff < 1e-5, f"native MoE block and Mixtral block disagree by {diff}"
+    theirs.experts.config._experts_implementation = "grouped_mm"  # transformers' default for Mixtral models
+    capacity_block = build("moe").model.layers[0].mlp.train()  # capacity_factor 1.0: the training default
+    blocks = time_interleaved({
+        "ours_no_drop": lambda: block_step(ours, x),
+        "ours_capacity_1.0": lambda: block_step(capacity_block, x),
+        "mixtral_grouped_mm": lambda: block_step(theirs, x[None]),
+    }, args.repeats)
+    theirs.experts.config._experts_implementation = "eager"
+    blocks.update(time_interleaved({"mixtral_eager": lambda: block_step(theirs, x[None])}, args.repeats))
+
+    print(f"CPU, {args.threads} threads, batch {args.batch} x seq {args.seq}, hidden {SHAPE['hidden_size']}, "
+          f"{SHAPE['num_hidden_layers']} layers, median of {args.repeats} fwd+bwd steps")
+    for name, seconds in times.items():
+        print(f"  {name:<20} {seconds * 1e3:8.1f} ms/step")
+    rows = [
+        ("MoD 0.125 (every other block) / dense", times["mod_0.125"] / times["dense"], "<= 0.65 (ideal ~0.56)"),
+        ("MoD 0.5 / dense", times["mod_0.5"] / times["dense"], "report"),
+        ("native MoE 8x top-2 / dense same active", times["moe_native"] / times["dense_same_active"], "<= 1.3"),
+    ]
+    print(f"MoE block fwd+bwd on {x.shape[0]} tokens (outputs equal to Mixtral's within {diff:.1e}):")
+    for name, seconds in blocks.items():
+        print(f"  {name:<20} {seconds * 1e3:8.1f} ms/step")
+    rows += [
+        ("our MoE block / Mixtral block (grouped_mm)", blocks["ours_no_drop"] / blocks["mixtral_grouped_mm"], "<= 1.0"),
+        ("our MoE block / Mixtral block (eager)", blocks["ours_no_drop"] / blocks["mixtral_eager"], "<= 1.0"),
+    ]
+    for name, ratio, target in rows:
+        print(f"{name:<45} {ratio:6.3f}x   target {target}")
+
+
+if __name__ == "__main__":
+    main()
