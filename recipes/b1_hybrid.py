@@ -1,0 +1,13 @@
+"""b1 as hybrid: the b1 (~1B parameters) preset as hybrid MoE + MoD: MoD-routed blocks whose MLPs are MoE layers.
+
+    accelerate launch recipes/b1_hybrid.py                  # a GPU box: plans for the GPUs it finds
+    adaptive launch recipes/b1_hybrid.py --gpu a100-80gb --gpus 8 --nodes 2 --hostfile hosts
+    python recipes/b1_hybrid.py --dry-run --gpu a100-80gb --gpus 8   # print the plan, no training
+
+Flags: `python recipes/b1_hybrid.py --help`, or the Training section of README.md.
+"""
+
+from adaptive.train.entry import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(preset="b1", arch="hybrid"))

@@ -1,0 +1,13 @@
+"""debug_200m as hybrid: the debug_200m (~200M parameters) preset as hybrid MoE + MoD: MoD-routed blocks whose MLPs are MoE layers.
+
+    accelerate launch recipes/debug_200m_hybrid.py                  # a GPU box: plans for the GPUs it finds
+    adaptive launch recipes/debug_200m_hybrid.py --gpu a100-80gb --gpus 8 --nodes 2 --hostfile hosts
+    python recipes/debug_200m_hybrid.py --dry-run --gpu a100-80gb --gpus 8   # print the plan, no training
+
+Flags: `python recipes/debug_200m_hybrid.py --help`, or the Training section of README.md.
+"""
+
+from adaptive.train.entry import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(preset="debug_200m", arch="hybrid"))
