@@ -109,7 +109,7 @@ def build_parser(preset: str, arch: str) -> argparse.ArgumentParser:
     data.add_argument("--text-field", default="text", help="the text column of json/parquet/hub data (default text)")
     data.add_argument("--tokenizer", help="hub name or local folder; default: the built-in byte-level BPE (2048)")
     data.add_argument("--seq-len", type=_positive(int), help="sequence length (default 2048 on GPUs, 128 on a CPU)")
-    length = p.add_mutually_exclusive_group()
+    length = data.add_mutually_exclusive_group()
     length.add_argument("--max-steps", type=_positive(int), help="optimizer steps to train")
     length.add_argument("--tokens", type=_positive(float), help="training tokens (default: the plan's, "
                         "20 x active parameters; 100 steps on a CPU)")
