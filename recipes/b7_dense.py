@@ -1,10 +1,12 @@
-"""b7 as dense: the b7 (~7B parameters, Mistral-7B's shape) preset as a dense decoder.
+"""Train b7 as dense on DeepSpeed, sized by the planner for the GPUs found.
 
-    accelerate launch recipes/b7_dense.py                  # a GPU box: plans for the GPUs it finds
-    adaptive launch recipes/b7_dense.py --gpu a100-80gb --gpus 8 --nodes 2 --hostfile hosts
-    python recipes/b7_dense.py --dry-run --gpu a100-80gb --gpus 8   # print the plan, no training
+b7: ~7B parameters (Mistral-7B's shape). dense: a dense decoder.
 
-Flags: `python recipes/b7_dense.py --help`, or the Training section of README.md.
+    accelerate launch --use_deepspeed --num_processes 8 recipes/b7_dense.py   # a GPU box
+    adaptive launch recipes/b7_dense.py --gpu h100 --gpus 8 --nodes 2 --hostfile hosts
+    python recipes/b7_dense.py --dry-run --gpu a100-80gb --gpus 8   # the plan, no training
+
+Flags: `python recipes/b7_dense.py --help` and README.md, section Training.
 """
 
 from adaptive.train.entry import main

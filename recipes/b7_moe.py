@@ -1,10 +1,13 @@
-"""b7 as moe: the b7 (~7B parameters, Mistral-7B's shape) preset as Mixture-of-Experts: 8 experts, top-2, DeepSpeed MoE in every layer.
+"""Train b7 as moe on DeepSpeed, sized by the planner for the GPUs found.
 
-    accelerate launch recipes/b7_moe.py                  # a GPU box: plans for the GPUs it finds
-    adaptive launch recipes/b7_moe.py --gpu a100-80gb --gpus 8 --nodes 2 --hostfile hosts
-    python recipes/b7_moe.py --dry-run --gpu a100-80gb --gpus 8   # print the plan, no training
+b7: ~7B parameters (Mistral-7B's shape). moe: Mixture-of-Experts,
+8 experts, top-2, DeepSpeed MoE in every layer.
 
-Flags: `python recipes/b7_moe.py --help`, or the Training section of README.md.
+    accelerate launch --use_deepspeed --num_processes 8 recipes/b7_moe.py   # a GPU box
+    adaptive launch recipes/b7_moe.py --gpu h100 --gpus 8 --nodes 2 --hostfile hosts
+    python recipes/b7_moe.py --dry-run --gpu a100-80gb --gpus 8   # the plan, no training
+
+Flags: `python recipes/b7_moe.py --help` and README.md, section Training.
 """
 
 from adaptive.train.entry import main

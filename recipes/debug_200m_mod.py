@@ -1,10 +1,13 @@
-"""debug_200m as mod: the debug_200m (~200M parameters) preset as Mixture-of-Depths: every other block routed, capacity 0.5.
+"""Train debug_200m as mod on DeepSpeed, sized by the planner for the GPUs found.
 
-    accelerate launch recipes/debug_200m_mod.py                  # a GPU box: plans for the GPUs it finds
-    adaptive launch recipes/debug_200m_mod.py --gpu a100-80gb --gpus 8 --nodes 2 --hostfile hosts
-    python recipes/debug_200m_mod.py --dry-run --gpu a100-80gb --gpus 8   # print the plan, no training
+debug_200m: ~200M parameters. mod: Mixture-of-Depths,
+every other block routed at capacity 0.5.
 
-Flags: `python recipes/debug_200m_mod.py --help`, or the Training section of README.md.
+    accelerate launch --use_deepspeed --num_processes 8 recipes/debug_200m_mod.py   # a GPU box
+    adaptive launch recipes/debug_200m_mod.py --gpu h100 --gpus 8 --nodes 2 --hostfile hosts
+    python recipes/debug_200m_mod.py --dry-run --gpu a100-80gb --gpus 8   # the plan, no training
+
+Flags: `python recipes/debug_200m_mod.py --help` and README.md, section Training.
 """
 
 from adaptive.train.entry import main

@@ -182,7 +182,8 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path | None:
     else:
         target = Path(resume).expanduser()
         if not target.exists():
-            raise AdaptiveError(f"--resume {resume!r} does not exist; pass a run folder, its checkpoints/ or a step folder")
+            raise AdaptiveError(f"--resume {resume!r} does not exist; "
+                                "pass a run folder, its checkpoints/ or a step folder")
     if checkpoint_step(target) is not None:
         if not is_complete(target):
             raise AdaptiveError(f"checkpoint {str(target)!r} is incomplete ({MANIFEST} missing or files differ)")

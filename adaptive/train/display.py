@@ -46,10 +46,10 @@ class ProgressDisplay:
     """Steps done of the total, speed, ETA and the last logged loss; a no-op when disabled."""
 
     def __init__(self, enabled: bool, total: int, completed: int) -> None:
-        self.enabled = enabled = enabled and interactive()
+        self.enabled = enabled and interactive()
         self._progress: Progress | None = None
         self._task: Any = None
-        if enabled:
+        if self.enabled:
             self._progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                 TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console(), transient=False,

@@ -214,8 +214,6 @@ def train_record(*, step: int, tokens_seen: int, reduced: dict[str, Any], lr: fl
 def _json_default(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 

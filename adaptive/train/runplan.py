@@ -274,6 +274,7 @@ def plan_run(args: Any, world: World, device: Device, env: dict[str, str] | None
         accum = accum or CPU_GRAD_ACCUM
         offload = offload or "none"
         checkpointing = bool(checkpointing)
+        ep_size = ep_size or 1
         global_tokens = micro * accum * seq * world.size
     request = make_request(
         model=args.preset, arch=args.arch, gpu=device.gpu.name if device.gpu else (args.gpu or NOMINAL_GPU),

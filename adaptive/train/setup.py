@@ -9,6 +9,7 @@ hidden-size "auto" values.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import socket
@@ -63,18 +64,12 @@ def make_accelerator(run: RunPlan) -> Any:
     # accelerate refuses a DeepSpeed config next to DeepSpeed fields of an accelerate config file;
     # plan_run has folded those fields into the config, so the check has nothing left to protect.
     os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
-    plugin = DeepSpeedPlugin(hf_ds_config=_copy(run.ds_config),
+    plugin = DeepSpeedPlugin(hf_ds_config=copy.deepcopy(run.ds_config),
                              zero3_init_flag=run.knobs.zero_stage == 3)
     mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[run.precision]
     return Accelerator(deepspeed_plugin=plugin, mixed_precision=mixed,
                        gradient_accumulation_steps=run.knobs.gradient_accumulation_steps,
                        step_scheduler_with_optimizer=False)
-
-
-def _copy(cfg: dict) -> dict:
-    import copy
-
-    return copy.deepcopy(cfg)
 
 
 def quiet_libraries(is_main: bool) -> None:
@@ -167,8 +162,11 @@ def reinit_local_experts(model: Any, seed: int) -> None:
 def param_groups(model: Any, weight_decay: float) -> list[dict]:
     """Decay on matrices, none on norms and biases; MoE experts in their own groups (DeepSpeed's
     split_params_into_different_moe_groups_for_optimizer), as ZeRO with expert parallelism needs."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    def matrix(p) -> bool:  # under ZeRO-3 init a parameter is a flat partition; ds_shape is its real shape
+        return len(getattr(p, "ds_shape", p.shape)) >= 2
+
+    decay = [p for p in model.parameters() if p.requires_grad and matrix(p)]
+    no_decay = [p for p in model.parameters() if p.requires_grad and not matrix(p)]
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
     if model.config.moe_layers and model.config.moe_implementation == "deepspeed":

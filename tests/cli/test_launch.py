@@ -54,10 +54,11 @@ def test_several_nodes_get_one_accelerate_command_each(tmp_path):
                       "--main-process-ip", "10.0.0.1", "--machine-rank", "1", "--run-dir", str(tmp_path))
     assert out["launcher"].startswith("multi-node (accelerate")
     assert len(out["commands"]) == 2
+    ep_size = json.loads((tmp_path / "plan.json").read_text())["ep_size"]
     for rank, command in enumerate(map(shlex.split, out["commands"])):
         assert command[command.index("--machine_rank") + 1] == str(rank)
         assert command[command.index("--main_process_ip") + 1] == "10.0.0.1"
-        assert command[command.index("--ep-size") + 1] == str(json.loads((tmp_path / "plan.json").read_text())["ep_size"])
+        assert command[command.index("--ep-size") + 1] == str(ep_size)
     assert out["this_node"] == out["commands"][1]
     acc = yaml.safe_load((tmp_path / "accelerate_config.yaml").read_text())
     assert (acc["num_machines"], acc["num_processes"]) == (2, 16)
@@ -145,10 +146,11 @@ def test_a_multi_node_launch_without_the_main_address_refuses_to_run(tmp_path):
     assert "MAIN_NODE_IP" in done.stdout  # the commands were still printed, with the placeholder
 
 
-def test_launch_imports_no_torch():
-    code = ("import sys; from cli.main import run; rc = run(['launch', 'recipes/b1_mod.py', '--gpu', 'h100', '--dry-run',"
-            " '--run-dir', sys.argv[1]]); heavy = [m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules];"
-            " print('HEAVY', heavy, rc, file=sys.stderr)")
-    done = subprocess.run([sys.executable, "-c", code, "/tmp/adaptive-launch-test"], capture_output=True, text=True,
+def test_launch_imports_no_torch(tmp_path):
+    code = ("import sys; from cli.main import run;"
+            "rc = run(['launch', 'recipes/b1_mod.py', '--gpu', 'h100', '--dry-run', '--run-dir', sys.argv[1]]);"
+            "heavy = [m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules];"
+            "print('HEAVY', heavy, rc, file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
                           env=subprocess_env(), timeout=60, cwd=REPO_ROOT)
     assert "HEAVY [] 0" in done.stderr, done.stderr

@@ -142,7 +142,8 @@ def test_oom_retry_redoes_the_same_step_on_the_same_samples_with_half_the_micro_
     plan, ds = (json.loads((out / name).read_text()) for name in ("plan.json", "ds_config.json"))
     assert (plan["micro_batch_size"], plan["gradient_accumulation_steps"]) == (2, 4)
     assert plan["run"]["knobs"]["micro_batch_size"] == 2
-    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (2, 4, 8)
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == \
+        (2, 4, 8)
 
 
 def test_every_committed_step_ran_on_the_data_order_samples(recorded, tokenizer, datasets_cache):

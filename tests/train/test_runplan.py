@@ -28,7 +28,8 @@ def run_plan(preset="debug", arch="dense", flags=(), world=World(), device=A100,
 def test_the_source_is_the_flag_then_accelerate_then_the_plan(tmp_path):
     assert deepspeed_source(ZERO2, {**ACC, "ACCELERATE_DEEPSPEED_CONFIG_FILE": ZERO3_OFFLOAD}).kind == "file"
     src = deepspeed_source(None, {**ACC, "ACCELERATE_DEEPSPEED_CONFIG_FILE": ZERO3_OFFLOAD})
-    assert (src.kind, src.path, src.pins) == ("accelerate", ZERO3_OFFLOAD, {"zero": 3, "offload": "all", "clipping": 1.0})
+    assert (src.kind, src.path) == ("accelerate", ZERO3_OFFLOAD)
+    assert src.pins == {"zero": 3, "offload": "all", "clipping": 1.0}
     src = deepspeed_source(None, {**ACC, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "1",
                                   "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
                                   "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"})
