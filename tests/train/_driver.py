@@ -3,7 +3,7 @@
     accelerate launch --use_deepspeed --num_processes 1 tests/train/_driver.py PRESET ARCH SPEC -- FLAGS
 
 SPEC is JSON: {"kill_after_checkpoint": 10, "record": "DIR", "skip_at": 3, "oom_at": 5, "halve_on_oom": true,
-"rollback_at": 8, "lr_scale_at": [6, 0.5]} (each optional). Steps are 1-based optimizer steps.
+"rollback_at": 8, "lr_scale_at": [6, 0.5], "touch_at": {"2": "EXPORT"}} (each optional). Steps are 1-based optimizer steps.
 """
 
 from __future__ import annotations
@@ -133,6 +133,17 @@ class LrScaleAt(Callback):
             control.lr_scale = self.scale
 
 
+class TouchAt(Callback):
+    """Create <output-dir>/NAME after step `step`, as a user would with `touch`."""
+
+    def __init__(self, step: int, name: str) -> None:
+        self.step, self.name = step, name
+
+    def on_step_end(self, state, control, *, metrics):
+        if state.step == self.step and state.is_main_process:
+            (state.output_dir / self.name).touch()
+
+
 def callbacks_from(spec: dict) -> list[Callback]:
     out: list[Callback] = []
     if "record" in spec:
@@ -147,6 +158,8 @@ def callbacks_from(spec: dict) -> list[Callback]:
         out.append(RollbackAt(spec["rollback_at"]))
     if "lr_scale_at" in spec:
         out.append(LrScaleAt(*spec["lr_scale_at"]))
+    for step, name in spec.get("touch_at", {}).items():
+        out.append(TouchAt(int(step), name))
     if "kill_after_checkpoint" in spec:
         out.append(KillAfterCheckpoint(spec["kill_after_checkpoint"]))
     return out

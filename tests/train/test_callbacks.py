@@ -16,7 +16,8 @@ from tests.train._launch import driver, records, tail
 
 RUN = ["--max-steps", "12", "--log-every", "1", "--checkpoint-every", "4", "--eval-every", "6", "--seq-len", "64",
        "--micro-batch", "4", "--grad-accum", "2", "--zero", "2", "--no-progress"]
-SPEC = {"skip_at": 3, "oom_at": 5, "halve_on_oom": True, "rollback_at": 7, "lr_scale_at": [8, 0.5]}
+SPEC = {"skip_at": 3, "oom_at": 5, "halve_on_oom": True, "rollback_at": 7, "lr_scale_at": [8, 0.5],
+        "touch_at": {"2": "EXPORT"}}
 
 
 # --- the API itself ----------------------------------------------------------------------------
@@ -99,7 +100,7 @@ def test_events_fire_in_the_documented_order(recorded):
     two, four = "Sbb", "Sbbbb"
     oom = "SbbMbbbb"  # OOM after micro-batch 1, then the same step as 4 micro-batches of 2
     expected = ("T"
-                + two + "OE" + two + "OE"  # steps 1, 2
+                + two + "OE" + two + "OE"  # steps 1, 2 (then the EXPORT request: an export, no event)
                 + two + "E"  # step 3: skipped, no optimizer step
                 + two + "OEC"  # step 4: checkpoint
                 + oom + "OE" + four + "OEV" + four + "OE"  # steps 5, 6 (eval), 7 -> rollback to step 4
@@ -199,10 +200,17 @@ def test_lr_scale_multiplies_the_scheduled_lr_from_then_on(recorded):
     assert next(r for r in records(out, "train") if r["step"] == 9)["lr"] == pytest.approx(ends[9]["param_lr"])
 
 
-def test_skip_step_on_zero_0_clears_the_gradients_without_an_update(tmp_path):
+def test_an_export_file_exports_the_model_after_that_step(recorded):
+    out, _ = recorded
+    assert (out / "hf-step_00000002" / "model.safetensors").is_file()
+    assert json.loads((out / "hf-step_00000002" / "adaptive_export.json").read_text())["step"] == 2
+    assert not (out / "EXPORT").exists(), "the request file is consumed"
+
+
+def test_skip_step_on_zero_0_clears_the_gradients_and_a_stop_file_checkpoints_and_stops(tmp_path):
     out = tmp_path / "run"
-    done = driver("debug", "dense", {"skip_at": 2, "record": str(out / "events")},
-                  ["--max-steps", "3", "--log-every", "1", "--seq-len", "64", "--micro-batch", "2", "--grad-accum",
+    done = driver("debug", "dense", {"skip_at": 2, "touch_at": {"3": "STOP"}, "record": str(out / "events")},
+                  ["--max-steps", "6", "--log-every", "1", "--seq-len", "64", "--micro-batch", "2", "--grad-accum",
                    "2", "--zero", "0", "--no-progress", "--output-dir", str(out)],
                   home=tmp_path, ADAPTIVE_CACHE=str(tmp_path / "cache"))
     assert done.returncode == 0, tail(done)
@@ -210,3 +218,6 @@ def test_skip_step_on_zero_0_clears_the_gradients_without_an_update(tmp_path):
     assert ends[1]["params_sum"] == ends[0]["params_sum"] != ends[2]["params_sum"]
     assert [r["skipped_steps"] for r in records(out, "train")] == [0, 1, 1]
     assert all(r["loss"] == r["loss"] for r in records(out, "train")), "no NaN left behind"
+    # STOP after step 3: a checkpoint to resume from, no final export, the request consumed
+    assert [e["step"] for e in ends] == [1, 2, 3] and (out / "checkpoints" / "latest").read_text() == "step_00000003\n"
+    assert not (out / "hf").exists() and not (out / "STOP").exists() and not records(out, "end")
