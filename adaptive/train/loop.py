@@ -12,6 +12,11 @@ Discarding a step's gradients uses DeepSpeed's own overflow path: a non-finite g
 DeepSpeed skip the update and clear its buffers on every rank (ZeRO 1-3, bf16 and fp16
 optimizers); the plain fp32 ZeRO-0 optimizer has no such path, so there the loop clears the
 gradients (`engine.zero_grad`) and does not step.
+
+Under several processes, skip, stop, checkpoint, export and rollback requests are combined over
+the ranks (one small all-reduce per step). An OOM retry is coordinated only when every rank raises
+at the same micro-batch (or with one process): a rank that OOMs alone leaves the others waiting in
+a collective, which a multi-rank OOM policy has to agree on first.
 """
 
 from __future__ import annotations
@@ -115,6 +120,7 @@ def train(state: TrainerState, loop: Loop) -> TrainerState:
             if requests.rollback:
                 rollback(state, loop)
                 samples = SampleIterator(loop.data.train, state.samples_seen)
+                meter = IntervalMeter(loop.device)  # the rolled-back steps' partial interval is void
             if requests.stop:
                 logger.info("stopping at step %d on request (checkpointed)", state.step)
                 break
