@@ -7,7 +7,7 @@ import sys
 import typer
 
 from adaptive.errors import AdaptiveError
-from cli import catalog, compare, fit
+from cli import catalog, compare, fit, launch
 
 app = typer.Typer(
     name="adaptive",
@@ -20,6 +20,9 @@ app.command("fit")(fit.fit)
 app.command("models")(catalog.models)
 app.command("gpus")(catalog.gpus)
 app.command("compare")(compare.compare)
+app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+    launch.launch
+)
 
 # typer vendors click in new versions and depends on it in older ones; find its base error either way.
 _ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")

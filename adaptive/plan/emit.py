@@ -58,6 +58,41 @@ def ds_config(setup: TrainSetup, grad_accum: int, gpu: GPU) -> dict:
     return cfg
 
 
+# ds_configs/*.json: (ZeRO stage, offload, arch the setup is built for). MoE plans stop at ZeRO-2.
+PRESET_DS_CONFIGS = {
+    "zero0": (0, "none", "dense"),
+    "zero1": (1, "none", "dense"),
+    "zero2": (2, "none", "dense"),
+    "zero3": (3, "none", "dense"),
+    "zero2_offload_optimizer": (2, "optimizer", "dense"),
+    "zero3_offload_optimizer": (3, "optimizer", "dense"),
+    "zero3_offload_all": (3, "all", "dense"),
+    "zero2_moe": (2, "none", "moe"),
+}
+
+
+def preset_ds_configs() -> dict[str, dict]:
+    """The checked-in ds_configs/*.json: `ds_config` for each ZeRO/offload preset, with the batch
+    sizes and the precision left "auto" for accelerate (or the recipes) to fill per run."""
+    from adaptive.plan.gpus import CATALOG
+    from adaptive.plan.presets import preset_spec
+
+    gpu = CATALOG["a100-80gb"]  # any bf16 GPU: the precision sections are replaced below
+    out = {}
+    for name, (zero, offload, arch) in PRESET_DS_CONFIGS.items():
+        setup = TrainSetup(spec=preset_spec("debug", arch), seq_len=2048, micro_batch_size=1, zero_stage=zero,
+                           offload_optimizer=offload in ("optimizer", "all"), offload_params=offload == "all",
+                           gradient_checkpointing=False)
+        cfg = ds_config(setup, 1, gpu)
+        cfg.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto")
+        cfg.pop("bf16", None)
+        cfg["bf16"] = {"enabled": "auto"}
+        cfg["fp16"] = {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                       "hysteresis": 2, "min_loss_scale": 1}
+        out[name] = cfg
+    return out
+
+
 def accelerate_config(setup: TrainSetup, ds_config_path: str) -> dict:
     """accelerate's ClusterConfig fields for a DeepSpeed launch of this setup."""
     cfg = {

@@ -1,0 +1,226 @@
+"""The callback API between the training loop and the orchestrator's policies.
+
+The loop (`adaptive.train.loop.train`) calls these events, in this order:
+
+    on_train_start
+    for each optimizer step:
+        on_step_start
+        for each micro-batch:  forward, backward, on_backward_end(outputs, loss, batch)
+        on_optimizer_step                (only when the optimizer step was applied)
+        on_step_end(metrics)             (metrics: the logged dict on log steps, else None)
+        on_eval(metrics)                 (when this step evaluated)
+        on_checkpoint(path)              (when this step wrote a checkpoint)
+    on_train_end
+
+    on_oom(error)   when a step raises an out-of-memory error (CUDA's, or any
+                    torch.OutOfMemoryError). Set control.retry_step, usually with change_knobs
+                    {"micro_batch_size": m // 2, "gradient_accumulation_steps": 2 * a}, and the loop
+                    frees memory, discards the step's partial gradients and redoes the same optimizer
+                    step on the same samples; otherwise the error propagates.
+
+Callbacks read `TrainerState` (declared up front; the loop owns it) and ask for actions through
+`Control`; they never call into the loop. Every callback sees the same objects, in list order.
+Requests are honoured at fixed points:
+
+    skip_step               after the step's last micro-batch: the step's gradients are discarded
+                            (its samples stay consumed, the step counts, the LR schedule advances);
+                            the loop also skips any step whose loss is not finite
+    retry_step              in on_oom only: redo the step in progress (see above)
+    change_knobs            before the next step, or before the retry; runtime knobs only
+                            (`Knobs.RUNTIME`); the loop writes the knobs in force back to the run's
+                            plan.json and ds_config.json
+    lr_scale                after on_step_end: the scheduled LR times this factor, from then on
+    rollback_to_checkpoint  after on_step_end: reload the newest complete checkpoint and continue
+    should_evaluate / should_checkpoint / should_export / should_stop   after on_step_end
+
+Under several processes every rank runs its callbacks; the loop combines the flags of all ranks
+(any rank asking is enough) so that all ranks act together. `change_knobs` and `lr_scale` must be
+set identically on every rank (policies see the same reduced metrics).
+
+This module imports nothing heavy; `TrainerState` holds the torch objects as `Any`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from adaptive.errors import AdaptiveError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The training settings in force. Only `RUNTIME` ones may change while training runs."""
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    seq_len: int
+    gradient_checkpointing: bool
+    zero_stage: int
+    offload_optimizer: bool
+    offload_params: bool
+    ep_size: int
+
+    RUNTIME = ("micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing")
+
+    @property
+    def samples_per_step(self) -> int:
+        """This rank's samples per optimizer step."""
+        return self.micro_batch_size * self.gradient_accumulation_steps
+
+    def changed(self, changes: dict[str, Any]) -> Knobs:
+        """A copy with runtime knobs changed; AdaptiveError for unknown or fixed ones."""
+        for key, value in changes.items():
+            if key not in self.RUNTIME:
+                raise AdaptiveError(
+                    f"knob {key!r} cannot change while training; runtime knobs: {', '.join(self.RUNTIME)}"
+                )
+            if key != "gradient_checkpointing" and (not isinstance(value, int) or value < 1):
+                raise AdaptiveError(f"knob {key} must be a positive integer, got {value!r}")
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class TrainerState:
+    """Everything a callback may read. The loop updates it; callbacks treat it as read-only."""
+
+    # the run
+    max_steps: int
+    knobs: Knobs
+    output_dir: Path
+    plan: Any = None  # adaptive.plan.Plan the run was sized with
+    orchestrator: bool = False  # --orchestrator resolved (on, or auto and recommended)
+    # the objects (after accelerator.prepare)
+    accelerator: Any = None
+    model: Any = None  # the DeepSpeed engine; accelerator.unwrap_model(model) is the HF model
+    optimizer: Any = None
+    scheduler: Any = None
+    # progress, committed when an optimizer step completes (and restored on resume/rollback)
+    step: int = 0  # optimizer steps done (global batches consumed, skipped ones included)
+    tokens_seen: int = 0  # global tokens consumed by those steps
+    samples_seen: int = 0  # this rank's data position (SampleIterator.position)
+    skipped_steps: int = 0
+    lr_scale: float = 1.0
+    last_grad_norm: float | None = None  # of the last applied step, when it was computed (log steps)
+    # inside the current step
+    micro_step: int = 0  # index of the micro-batch being run
+    attempt: int = 0  # 0 on the first try of a step, n after n OOM retries
+    # bookkeeping
+    last_checkpoint: Path | None = None
+    resumed_from: Path | None = None
+    world_size: int = 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.accelerator is None or self.accelerator.is_main_process
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Global tokens per optimizer step with the knobs in force."""
+        return self.knobs.samples_per_step * self.knobs.seq_len * self.world_size
+
+
+@dataclass
+class Control:
+    """Requests from callbacks to the loop. One-shot flags are cleared once acted on."""
+
+    skip_step: bool = False
+    retry_step: bool = False
+    rollback_to_checkpoint: bool = False
+    should_evaluate: bool = False
+    should_checkpoint: bool = False
+    should_export: bool = False
+    should_stop: bool = False
+    lr_scale: float | None = None
+    change_knobs: dict[str, Any] = field(default_factory=dict)
+
+    FLAGS = ("skip_step", "rollback_to_checkpoint", "should_evaluate", "should_checkpoint", "should_export",
+             "should_stop")
+
+
+class Callback:
+    """No-op base: subclass and override the events you need. Each gets the state and the control."""
+
+    def on_train_start(self, state: TrainerState, control: Control) -> None:
+        pass
+
+    def on_step_start(self, state: TrainerState, control: Control) -> None:
+        pass
+
+    def on_backward_end(self, state: TrainerState, control: Control, *, outputs: Any, loss: Any,
+                        batch: dict[str, Any]) -> None:
+        """After each micro-batch's backward. `outputs` is the model output (with `router_stats`),
+        `loss` the micro-batch's loss tensor (LM + aux, before accumulation scaling; no host sync
+        was made for it), `batch` the micro-batch on the device."""
+
+    def on_optimizer_step(self, state: TrainerState, control: Control) -> None:
+        """Right after an applied optimizer step (where an expert-bias update goes)."""
+
+    def on_step_end(self, state: TrainerState, control: Control, *, metrics: dict[str, Any] | None) -> None:
+        """After the step is committed; `metrics` is the metrics.jsonl record on log steps."""
+
+    def on_eval(self, state: TrainerState, control: Control, *, metrics: dict[str, Any]) -> None:
+        pass
+
+    def on_checkpoint(self, state: TrainerState, control: Control, *, path: Path) -> None:
+        """After a checkpoint is complete on disk (atomically renamed, `latest` updated)."""
+
+    def on_oom(self, state: TrainerState, control: Control, *, error: BaseException) -> None:
+        pass
+
+    def on_train_end(self, state: TrainerState, control: Control) -> None:
+        pass
+
+
+class CallbackList(Callback):
+    """Calls every callback for every event, in list order."""
+
+    def __init__(self, callbacks: list[Callback] | None = None) -> None:
+        self.callbacks: list[Callback] = list(callbacks or [])
+
+    def add(self, callback: Callback) -> None:
+        self.callbacks.append(callback)
+
+    def __len__(self) -> int:
+        return len(self.callbacks)
+
+    def _call(self, event: str, state: TrainerState, control: Control, **kwargs: Any) -> None:
+        for callback in self.callbacks:
+            getattr(callback, event)(state, control, **kwargs)
+
+    def on_train_start(self, state, control):
+        self._call("on_train_start", state, control)
+
+    def on_step_start(self, state, control):
+        self._call("on_step_start", state, control)
+
+    def on_backward_end(self, state, control, *, outputs, loss, batch):
+        self._call("on_backward_end", state, control, outputs=outputs, loss=loss, batch=batch)
+
+    def on_optimizer_step(self, state, control):
+        self._call("on_optimizer_step", state, control)
+
+    def on_step_end(self, state, control, *, metrics):
+        self._call("on_step_end", state, control, metrics=metrics)
+
+    def on_eval(self, state, control, *, metrics):
+        self._call("on_eval", state, control, metrics=metrics)
+
+    def on_checkpoint(self, state, control, *, path):
+        self._call("on_checkpoint", state, control, path=path)
+
+    def on_oom(self, state, control, *, error):
+        self._call("on_oom", state, control, error=error)
+
+    def on_train_end(self, state, control):
+        self._call("on_train_end", state, control)
+
+
+__all__ = ["Callback", "CallbackList", "Control", "Knobs", "TrainerState"]

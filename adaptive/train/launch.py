@@ -1,0 +1,210 @@
+"""`adaptive launch`: plan a recipe's run, write its configs, build the launch command, run it.
+
+    adaptive launch recipes/b1_mod.py --gpu a100-80gb --gpus 8                       # one node
+    adaptive launch recipes/b1_mod.py --gpu a100-80gb --gpus 8 --nodes 2 \\
+        --main-process-ip 10.0.0.1 --machine-rank 0                                  # run on each node
+    adaptive launch recipes/b1_mod.py --gpu a100-80gb --gpus 8 --nodes 2 --hostfile hosts   # pdsh
+
+The preset and architecture come from the recipe's file name (`b1_mod.py`), unless --model/--arch
+override them. The run folder gets ds_config.json, accelerate_config.yaml and plan.json (the same
+planner and emitters as `adaptive fit --out`). Every command is accelerate's launcher:
+
+* one node: `accelerate launch --config_file RUN/accelerate_config.yaml RECIPE ...`;
+* several nodes without a hostfile: the same command on every node with its --machine_rank and
+  the main node's address (accelerate runs torchrun there: the "standard" multi-node launcher);
+* with --hostfile: DeepSpeed's launcher, which accelerate starts from the main node
+  (deepspeed_multinode_launcher pdsh and deepspeed_hostfile in the accelerate config); pdsh
+  starts the processes on every host of the hostfile.
+
+The recipe gets `--ds-config RUN/ds_config.json --output-dir RUN` and the knobs the DeepSpeed
+config cannot carry (`--gpu`, `--seq-len`, `--ep-size`, `--checkpointing`), so it re-derives the
+same plan; anything after `--` is passed to the recipe as is. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from adaptive.errors import AdaptiveError
+from adaptive.plan import ARCHS, PRESETS, Plan, fit, make_request
+from adaptive.plan.emit import accelerate_config, to_yaml, write_plan_files
+
+MAIN_NODE_PLACEHOLDER = "MAIN_NODE_IP"
+_RECIPE_NAME = re.compile(r"^(?P<preset>.+)_(?P<arch>[a-z]+)$")
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    recipe: str
+    gpu: str | None
+    gpus: int = 1
+    nodes: int = 1
+    hostfile: str | None = None
+    run_dir: str | None = None
+    model: str | None = None
+    arch: str | None = None
+    seq_len: int | None = None
+    tokens: float | None = None
+    main_process_ip: str | None = None
+    main_process_port: int = 29500
+    machine_rank: int = 0
+    recipe_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What `adaptive launch` prints and runs."""
+
+    preset: str
+    arch: str
+    plan: Plan
+    run_dir: Path
+    files: dict[str, Path]
+    launcher: str  # "single-node" | "multi-node (accelerate, torchrun on each node)" | "multi-node (DeepSpeed, pdsh)"
+    commands: list[list[str]]  # per node, or one
+    this_node: list[str]  # the command this machine runs
+    deepspeed_command: list[str] | None = None  # what accelerate runs for a hostfile launch
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"preset": self.preset, "arch": self.arch, "run_dir": str(self.run_dir), "launcher": self.launcher,
+                "files": {k: str(v) for k, v in self.files.items()},
+                "commands": [shlex.join(c) for c in self.commands], "this_node": shlex.join(self.this_node),
+                "deepspeed_command": shlex.join(self.deepspeed_command) if self.deepspeed_command else None,
+                "notes": self.notes}
+
+
+def recipe_model(recipe: str) -> tuple[str, str]:
+    """(preset, arch) from a recipe file name such as recipes/b1_mod.py or debug_200m_moe.py."""
+    stem = Path(recipe).stem
+    match = _RECIPE_NAME.match(stem)
+    if match is None or match["preset"] not in PRESETS or match["arch"] not in ARCHS:
+        raise AdaptiveError(f"cannot tell the preset and arch from {Path(recipe).name!r} (expected PRESET_ARCH.py, "
+                            "e.g. b1_mod.py); pass --model and --arch")
+    return match["preset"], match["arch"]
+
+
+def read_hostfile(path: str) -> list[tuple[str, int | None]]:
+    """DeepSpeed hostfile lines `host slots=N` (comments and blank lines skipped)."""
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except OSError:
+        raise AdaptiveError(f"hostfile {path!r} cannot be read") from None
+    hosts = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        slots = None
+        for part in parts[1:]:
+            if part.startswith("slots="):
+                slots = int(part.removeprefix("slots="))
+        hosts.append((parts[0], slots))
+    if not hosts:
+        raise AdaptiveError(f"hostfile {path!r} lists no hosts")
+    return hosts
+
+
+def plan_launch(req: LaunchRequest) -> Launch:
+    """Plan, write the run folder's configs, and build the commands (nothing is run)."""
+    recipe = Path(req.recipe)
+    if not recipe.is_file():
+        raise AdaptiveError(f"recipe {req.recipe!r} does not exist")
+    preset, arch = recipe_model(req.recipe) if not (req.model and req.arch) else (req.model, req.arch)
+    preset, arch = req.model or preset, req.arch or arch
+    gpu = req.gpu or _detected_gpu()
+    hosts = read_hostfile(req.hostfile) if req.hostfile else None
+    if hosts is not None:
+        if len(hosts) != req.nodes:
+            raise AdaptiveError(f"hostfile {req.hostfile!r} lists {len(hosts)} hosts but --nodes is {req.nodes}")
+        wrong = [h for h, slots in hosts if slots is not None and slots != req.gpus]
+        if wrong:
+            raise AdaptiveError(f"hostfile slots must equal --gpus ({req.gpus}); not on {', '.join(wrong)}")
+    if not 0 <= req.machine_rank < req.nodes:
+        raise AdaptiveError(f"--machine-rank must be in 0..{req.nodes - 1}, got {req.machine_rank}")
+    request = make_request(model=preset, arch=arch, gpu=gpu, gpus=req.gpus, nodes=req.nodes,
+                           seq_len=req.seq_len or 2048, tokens=req.tokens)
+    plan = fit(request)
+    if not plan.fits:
+        hint = f"; would fit: {plan.suggestions[0]}" if plan.suggestions else ""
+        raise AdaptiveError(f"{preset} {arch} does not fit {request.world_size} x {request.gpu.name}{hint}")
+    run_dir = Path(req.run_dir or f"runs/{preset}_{arch}").resolve()
+    files = write_plan_files(plan, run_dir)
+    main_ip = req.main_process_ip or (hosts[0][0] if hosts else None)
+    acc = accelerate_config(plan.shown.setup, str(files["ds_config"]))
+    if req.nodes > 1:
+        acc["main_process_ip"] = main_ip or MAIN_NODE_PLACEHOLDER
+        acc["main_process_port"] = req.main_process_port
+    if hosts is not None:
+        acc["deepspeed_config"]["deepspeed_multinode_launcher"] = "pdsh"
+        acc["deepspeed_config"]["deepspeed_hostfile"] = str(Path(req.hostfile).expanduser().resolve())
+    files["accelerate_config"].write_text(to_yaml(acc))
+
+    s = plan.shown.setup
+    recipe_args = [str(recipe.resolve()), "--ds-config", str(files["ds_config"]), "--output-dir", str(run_dir),
+                   "--gpu", request.gpu.name, "--seq-len", str(s.seq_len),
+                   "--checkpointing" if s.gradient_checkpointing else "--no-checkpointing"]
+    if s.spec.is_moe:
+        recipe_args += ["--ep-size", str(s.ep_size)]
+    if req.tokens is not None:
+        recipe_args += ["--tokens", repr(req.tokens)]
+    recipe_args += list(req.recipe_args)
+    base = ["accelerate", "launch", "--config_file", str(files["accelerate_config"])]
+    notes = []
+    deepspeed_command = None
+    if req.nodes == 1:
+        launcher = "single-node"
+        commands = [base + recipe_args]
+        this_node = commands[0]
+    elif hosts is not None:
+        launcher = "multi-node (DeepSpeed launcher, pdsh)"
+        commands = [base + recipe_args]
+        this_node = commands[0]
+        deepspeed_command = ["deepspeed", "--hostfile", acc["deepspeed_config"]["deepspeed_hostfile"],
+                             "--no_local_rank", "--launcher", "pdsh", "--num_gpus", str(req.gpus),
+                             "--master_addr", acc["main_process_ip"], "--master_port", str(req.main_process_port),
+                             *recipe_args]
+        notes.append(f"run it on the main node ({acc['main_process_ip']}); pdsh starts every host of the hostfile")
+    else:
+        launcher = "multi-node (accelerate, torchrun on each node)"
+        commands = [base + ["--machine_rank", str(rank), "--main_process_ip", acc["main_process_ip"],
+                            "--main_process_port", str(req.main_process_port)] + recipe_args
+                    for rank in range(req.nodes)]
+        this_node = commands[req.machine_rank]
+        notes.append("run each command on its node (same run folder on a shared filesystem)")
+        if main_ip is None:
+            notes.append(f"replace {MAIN_NODE_PLACEHOLDER} with the main node's address, or pass --main-process-ip")
+    return Launch(preset=preset, arch=arch, plan=plan, run_dir=run_dir, files=files, launcher=launcher,
+                  commands=commands, this_node=this_node, deepspeed_command=deepspeed_command, notes=notes)
+
+
+def run_launch(launch: Launch) -> int:
+    """Run this node's command (accelerate launch via this Python) and return its exit code."""
+    command = launch.this_node
+    if MAIN_NODE_PLACEHOLDER in command:
+        raise AdaptiveError("the main node's address is unknown: pass --main-process-ip (or --dry-run)")
+    # the printed command as is when `accelerate` is on PATH, else the same launcher through this Python
+    runnable = command if shutil.which("accelerate") else [sys.executable, "-m", "accelerate.commands.launch",
+                                                             *command[2:]]
+    return subprocess.run(runnable, check=False).returncode
+
+
+def _detected_gpu() -> str:
+    from adaptive.train.runplan import detect_device
+
+    device = detect_device(None)
+    if device.gpu is None:
+        raise AdaptiveError("no CUDA GPU found here; pass --gpu NAME to plan for one (see `adaptive gpus`)")
+    return device.gpu.name
+
+
+__all__ = ["Launch", "LaunchRequest", "MAIN_NODE_PLACEHOLDER", "plan_launch", "read_hostfile", "recipe_model",
+           "run_launch"]

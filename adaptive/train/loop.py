@@ -1,0 +1,551 @@
+"""The training loop shared by every recipe: `train(state, loop)`.
+
+One optimizer step = `gradient_accumulation_steps` micro-batches of `micro_batch_size` samples.
+The step's samples are drawn from the data iterator once (`samples_per_step` of them) and sliced
+into micro-batches, so a retried step (after an OOM, with other knobs) runs on the same samples;
+the data position is committed only when the step completes.
+
+The loop drives the DeepSpeed engine directly (what accelerate's `backward` wraps): it marks the
+accumulation boundary itself and scales the loss by the accumulation in force
+(`scale_wrt_gas=False`), so the micro-batch and accumulation may change while training runs.
+Discarding a step's gradients uses DeepSpeed's own overflow path: a non-finite gradient makes
+DeepSpeed skip the update and clear its buffers on every rank (ZeRO 1-3, bf16 and fp16
+optimizers); the plain fp32 ZeRO-0 optimizer has no such path, so there the loop clears the
+gradients (`engine.zero_grad`) and does not step.
+
+Under several processes, skip, stop, checkpoint, export and rollback requests are combined over
+the ranks (one small all-reduce per step). An OOM retry is coordinated only when every rank raises
+at the same micro-batch (or with one process): a rank that OOMs alone leaves the others waiting in
+a collective, which a multi-rank OOM policy has to agree on first.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.logging import get_logger
+
+from adaptive.errors import AdaptiveError
+from adaptive.orchestrator.callbacks import CallbackList, Control, Knobs, TrainerState
+from adaptive.train import checkpoint as ckpt
+from adaptive.train.data import SampleIterator, eval_batches
+from adaptive.train.display import ProgressDisplay
+from adaptive.train.metrics import IntervalMeter, MetricsWriter, StepStats, cuda_memory, train_record
+from adaptive.train.runplan import RunPlan, ds_config_for_knobs, with_knobs
+
+logger = get_logger(__name__)
+
+OOM_ERRORS = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),)
+EXPORT_REQUEST = "EXPORT"  # touch <output-dir>/EXPORT to export the model after the current step
+STOP_REQUEST = "STOP"  # touch <output-dir>/STOP to checkpoint and stop after the current step
+FINAL_EXPORT = "hf"
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    log_every: int = 10
+    eval_every: int = 0  # 0: only at the end
+    checkpoint_every: int = 1000  # 0: only at the end
+    keep_checkpoints: int = 3
+    export_every: int = 0  # 0: only at the end (and on request)
+    progress: bool = True
+
+
+@dataclass
+class Loop:
+    """What the loop uses besides the state callbacks see."""
+
+    run: RunPlan
+    data: Any  # setup.Data: tokenizer, train, eval
+    callbacks: CallbackList
+    metrics: MetricsWriter
+    settings: LoopSettings
+    device: torch.device
+    lr_scheduler: Any  # the transformers LambdaLR (accelerate wraps it in state.scheduler)
+    last_eval_step: int = -1
+    stop_signal: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Requests:
+    """What the step's end asks for, agreed over all ranks."""
+
+    evaluate: bool = False
+    checkpoint: bool = False
+    export: bool = False
+    stop: bool = False
+    rollback: bool = False
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+def train(state: TrainerState, loop: Loop) -> TrainerState:
+    """Train from `state.step` to `state.max_steps`, then checkpoint, evaluate and export."""
+    control = Control()
+    samples = SampleIterator(loop.data.train, state.samples_seen)
+    meter = IntervalMeter(loop.device)
+    state.model.train()
+    loop.callbacks.on_train_start(state, control)
+    with ProgressDisplay(loop.settings.progress and state.is_main_process, state.max_steps, state.step) as display, \
+            _stop_on_sigterm(loop.stop_signal):
+        while state.step < state.max_steps:
+            apply_knob_changes(state, control, loop)
+            loop.callbacks.on_step_start(state, control)
+            step_batch = samples.next_batch(state.knobs.samples_per_step)
+            started = time.perf_counter()
+            stats = run_step(state, control, loop, step_batch)
+            commit_step(state, samples)
+            meter.add(stats, time.perf_counter() - started, state.tokens_per_step)
+            metrics = maybe_log(state, loop, meter)
+            display.update(state.step, _progress_info(metrics))
+            loop.callbacks.on_step_end(state, control, metrics=metrics)
+            requests = agree_requests(state, control, loop)
+            maybe_evaluate(state, control, loop, requests.evaluate)
+            maybe_checkpoint(state, control, loop, requests.checkpoint or requests.stop)
+            maybe_export(state, loop, requests.export)
+            if control.lr_scale is not None:
+                set_lr_scale(state, loop, control.lr_scale)
+                control.lr_scale = None
+            if requests.rollback:
+                rollback(state, loop)
+                samples = SampleIterator(loop.data.train, state.samples_seen)
+                meter = IntervalMeter(loop.device)  # the rolled-back steps' partial interval is void
+            if requests.stop:
+                logger.info("stopping at step %d on request (checkpointed)", state.step)
+                break
+    if state.step >= state.max_steps:
+        finish(state, control, loop)
+    loop.callbacks.on_train_end(state, control)
+    return state
+
+
+def run_step(state: TrainerState, control: Control, loop: Loop, step_batch: dict[str, torch.Tensor]) -> StepStats:
+    """train_step, redone on the same samples after an OOM when a callback asks for it."""
+    state.attempt = 0
+    while True:
+        try:
+            return train_step(state, control, loop, step_batch)
+        except OOM_ERRORS as error:
+            control.retry_step = False
+            loop.callbacks.on_oom(state, control, error=error)
+            if not control.retry_step:
+                raise
+            logger.warning("out of memory in step %d (micro-batch %d): retrying with %s", state.step + 1,
+                           state.micro_step, control.change_knobs or "the same knobs")
+        # outside the except block: the traceback, and the activations its frames hold, are gone
+        control.retry_step = False
+        recover_from_oom(state, loop, step_batch)
+        old = state.knobs
+        apply_knob_changes(state, control, loop)
+        if state.knobs.samples_per_step != old.samples_per_step:
+            raise AdaptiveError(
+                f"a retried step must keep its samples: micro_batch_size x gradient_accumulation_steps was "
+                f"{old.samples_per_step}, now {state.knobs.samples_per_step}"
+            )
+        state.attempt += 1
+
+
+def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: dict[str, torch.Tensor]) -> StepStats:
+    """One optimizer step: forward/backward over the micro-batches, then the update (or discard)."""
+    engine = state.model
+    micro, accum = state.knobs.micro_batch_size, state.knobs.gradient_accumulation_steps
+    stats = StepStats.zeros(loop.device)
+    for i in range(accum):
+        state.micro_step = i
+        batch = {k: v[i * micro:(i + 1) * micro].to(loop.device, non_blocking=True) for k, v in step_batch.items()}
+        engine.set_gradient_accumulation_boundary(i == accum - 1)
+        outputs = engine(**batch)
+        loss = outputs.loss
+        engine.backward(loss / accum, scale_wrt_gas=False)
+        stats.add(outputs, loss)
+        loop.callbacks.on_backward_end(state, control, outputs=outputs, loss=loss.detach(), batch=batch)
+        del outputs, loss
+    skip = agree_any(state, [control.skip_step], extra=~stats.finite())[0]
+    control.skip_step = False
+    log_step = _is_log_step(state.step + 1, loop)
+    norm = None
+    if skip:
+        discard_gradients(engine, _probe(step_batch, loop.device))
+        state.skipped_steps += 1
+        logger.warning("step %d skipped: gradients discarded (non-finite loss or a callback asked)", state.step + 1)
+    else:
+        if log_step and not _engine_reports_norm(engine):
+            norm = _local_grad_norm(engine)
+        engine.step()
+        if engine.was_step_applied():
+            loop.callbacks.on_optimizer_step(state, control)
+        else:  # DeepSpeed found an overflow (fp16 loss scaling) and skipped the update itself
+            state.skipped_steps += 1
+    state.scheduler.step()
+    _apply_lr_scale(state, loop)
+    state.last_grad_norm = None if skip else (norm if norm is not None else _reported_norm(engine))
+    return stats
+
+
+def commit_step(state: TrainerState, samples: SampleIterator) -> None:
+    """The step is done: count it and commit the data position."""
+    state.step += 1
+    state.tokens_seen += state.tokens_per_step
+    state.samples_seen = samples.position
+    state.micro_step = 0
+    state.attempt = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Named steps around train_step
+
+
+def maybe_log(state: TrainerState, loop: Loop, meter: IntervalMeter) -> dict[str, Any] | None:
+    if not _is_log_step(state.step, loop):
+        return None
+    reduced = meter.reduce(state.accelerator)
+    record = train_record(
+        step=state.step, tokens_seen=state.tokens_seen, reduced=reduced, lr=current_lr(loop),
+        grad_norm=state.last_grad_norm, skipped_steps=state.skipped_steps,
+        flops_per_token=loop.run.model_flops_per_token, peak_tflops=loop.run.peak_tflops,
+        num_gpus=state.world_size, memory=cuda_memory(loop.device),
+        knobs={k: getattr(state.knobs, k) for k in Knobs.RUNTIME},
+    )
+    loop.metrics.write(record)
+    logger.info(_log_line(record))
+    return record
+
+
+def maybe_evaluate(state: TrainerState, control: Control, loop: Loop, requested: bool) -> dict[str, Any] | None:
+    every = loop.settings.eval_every
+    due = requested or (every > 0 and state.step % every == 0 and state.step < state.max_steps)
+    control.should_evaluate = False
+    if not due:
+        return None
+    return evaluate(state, control, loop)
+
+
+def evaluate(state: TrainerState, control: Control, loop: Loop) -> dict[str, Any]:
+    """Token-weighted LM loss (aux losses excluded) over this rank's eval blocks, reduced over ranks."""
+    engine = state.model
+    batches = list(eval_batches(loop.data.eval, state.knobs.micro_batch_size))
+    count = agree_min(state, len(batches))  # every rank runs the same forwards (collectives inside)
+    total = torch.zeros(2, dtype=torch.float64, device=loop.device)
+    engine.eval()
+    with torch.no_grad():
+        for batch in batches[:count]:
+            batch = {k: v.to(loop.device) for k, v in batch.items()}
+            out = engine(**batch)
+            lm = out.loss - out.aux_loss if out.aux_loss is not None else out.loss
+            tokens = (batch["labels"][:, 1:] != -100).sum()
+            total += torch.stack([lm.double() * tokens, tokens.double()])
+    engine.train()
+    if state.accelerator.num_processes > 1:
+        total = state.accelerator.reduce(total, reduction="sum")
+    loss_sum, tokens = total.tolist()
+    eval_loss = loss_sum / tokens if tokens else float("nan")
+    metrics = {"kind": "eval", "step": state.step, "time": time.time(), "eval_loss": eval_loss,
+               "eval_ppl": math.exp(min(eval_loss, 700.0)) if math.isfinite(eval_loss) else None,
+               "eval_tokens": int(tokens)}
+    loop.metrics.write(metrics)
+    loop.last_eval_step = state.step
+    logger.info("eval step %d: loss %.4f ppl %.2f (%d tokens)", state.step, eval_loss, metrics["eval_ppl"] or
+                float("nan"), int(tokens))
+    loop.callbacks.on_eval(state, control, metrics=metrics)
+    return metrics
+
+
+def maybe_checkpoint(state: TrainerState, control: Control, loop: Loop, requested: bool) -> Path | None:
+    every = loop.settings.checkpoint_every
+    due = requested or (every > 0 and state.step % every == 0 and state.step < state.max_steps)
+    control.should_checkpoint = False
+    if not due:
+        return None
+    return save(state, control, loop)
+
+
+def save(state: TrainerState, control: Control, loop: Loop) -> Path:
+    from accelerate.utils import gather_object
+
+    positions = gather_object([state.samples_seen])
+    trainer_state = {
+        "step": state.step, "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps,
+        "lr_scale": state.lr_scale, "samples_seen": positions, "knobs": state.knobs.as_dict(),
+        "max_steps": state.max_steps, "world_size": state.world_size,
+    }
+    path = ckpt.save_checkpoint(state.accelerator, state.output_dir, state.step, trainer_state,
+                                loop.settings.keep_checkpoints)
+    state.last_checkpoint = path
+    loop.callbacks.on_checkpoint(state, control, path=path)
+    return path
+
+
+def maybe_export(state: TrainerState, loop: Loop, requested: bool) -> Path | None:
+    every = loop.settings.export_every
+    if not (requested or (every > 0 and state.step % every == 0 and state.step < state.max_steps)):
+        return None
+    return export(state, loop, state.output_dir / f"{FINAL_EXPORT}-step_{state.step:08d}")
+
+
+def export(state: TrainerState, loop: Loop, target: Path) -> Path:
+    meta = {"step": state.step, "tokens_seen": state.tokens_seen, "preset": loop.run.preset, "arch": loop.run.arch,
+            "knobs": state.knobs.as_dict()}
+    return ckpt.export_hf(state.accelerator, state.model, loop.data.tokenizer, target, meta)
+
+
+def finish(state: TrainerState, control: Control, loop: Loop) -> None:
+    """The end of a complete run: a final checkpoint, an eval, the HF export."""
+    if state.last_checkpoint is None or ckpt.checkpoint_step(state.last_checkpoint) != state.step:
+        save(state, control, loop)
+    eval_metrics = evaluate(state, control, loop) if loop.last_eval_step != state.step else None
+    path = export(state, loop, state.output_dir / FINAL_EXPORT)
+    loop.metrics.write({"kind": "end", "step": state.step, "time": time.time(), "export": str(path),
+                        "skipped_steps": state.skipped_steps,
+                        "eval_loss": eval_metrics["eval_loss"] if eval_metrics else None})
+
+
+# ---------------------------------------------------------------------------------------------
+# Control requests
+
+
+def agree_requests(state: TrainerState, control: Control, loop: Loop) -> Requests:
+    """Combine this rank's requests (callbacks, request files, SIGTERM) with every other rank's."""
+    export_file = state.output_dir / EXPORT_REQUEST
+    stop_file = state.output_dir / STOP_REQUEST
+    main = state.is_main_process
+    local = [control.should_evaluate, control.should_checkpoint,
+             control.should_export or (main and export_file.exists()),
+             control.should_stop or loop.stop_signal.is_set() or (main and stop_file.exists()),
+             control.rollback_to_checkpoint]
+    evaluate_, checkpoint_, export_, stop, rollback_ = agree_any(state, local)
+    control.should_export = control.should_stop = control.rollback_to_checkpoint = False
+    if main:
+        for path, asked in ((export_file, export_), (stop_file, stop)):
+            if asked and path.exists():
+                path.unlink()
+    return Requests(evaluate_, checkpoint_, export_, stop, rollback_)
+
+
+def agree_any(state: TrainerState, flags: list[bool], extra: torch.Tensor | None = None) -> list[bool]:
+    """Each flag true on any rank (one small all-reduce; `extra` is a device bool tensor ORed into
+    the first flag without a host sync of its own)."""
+    device = state.accelerator.device
+    values = torch.tensor([float(f) for f in flags], dtype=torch.float64, device=device)
+    if extra is not None:
+        values[0] = values[0] + extra.to(device=device, dtype=torch.float64)
+    if state.accelerator.num_processes > 1:
+        values = state.accelerator.reduce(values, reduction="sum")
+    return [v > 0 for v in values.tolist()]
+
+
+def agree_min(state: TrainerState, value: int) -> int:
+    if state.accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import gather_object
+
+    return min(gather_object([value]))
+
+
+def apply_knob_changes(state: TrainerState, control: Control, loop: Loop) -> None:
+    """Apply control.change_knobs: the engine's batch bookkeeping, checkpointing, the run's files."""
+    if not control.change_knobs:
+        return
+    changes, control.change_knobs = dict(control.change_knobs), {}
+    new = state.knobs.changed(changes)
+    if new == state.knobs:
+        return
+    old, state.knobs = state.knobs, new
+    engine = state.model
+    if (new.micro_batch_size, new.gradient_accumulation_steps) != (old.micro_batch_size,
+                                                                   old.gradient_accumulation_steps):
+        # DeepSpeed's own counters (samples, throughput); the loop runs the accumulation itself
+        engine.set_train_micro_batch_size(new.micro_batch_size)
+        engine.set_train_batch_size(new.micro_batch_size * new.gradient_accumulation_steps * engine.dp_world_size)
+    if new.gradient_checkpointing != old.gradient_checkpointing:
+        model = state.accelerator.unwrap_model(engine)
+        if new.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+    logger.info("knobs changed at step %d: %s", state.step,
+                {k: (getattr(old, k), getattr(new, k)) for k in changes if getattr(old, k) != getattr(new, k)})
+    write_run_files(state, loop)
+
+
+def set_lr_scale(state: TrainerState, loop: Loop, scale: float) -> None:
+    if not scale > 0:
+        raise AdaptiveError(f"lr_scale must be positive, got {scale}")
+    logger.info("LR scale %.4g -> %.4g at step %d", state.lr_scale, scale, state.step)
+    state.lr_scale = scale
+    _apply_lr_scale(state, loop)
+
+
+def rollback(state: TrainerState, loop: Loop) -> None:
+    """Reload the newest complete checkpoint (a callback asked, e.g. after a loss spike)."""
+    path = ckpt.find_checkpoint("auto", state.output_dir)
+    if path is None:
+        raise AdaptiveError(f"rollback asked for, but {state.output_dir / ckpt.CHECKPOINTS} has no complete checkpoint")
+    before = state.step
+    restore(state, loop, path)
+    loop.metrics.write({"kind": "rollback", "step": state.step, "from_step": before, "time": time.time(),
+                        "checkpoint": str(path)})
+    logger.warning("rolled back from step %d to %s", before, path)
+
+
+def restore(state: TrainerState, loop: Loop, path: Path) -> None:
+    """Load a checkpoint into the engine, optimizer, schedule and RNG, and the trainer state."""
+    saved = ckpt.load_checkpoint(state.accelerator, path)
+    if saved["world_size"] != state.world_size:
+        raise AdaptiveError(f"checkpoint {path} was written by {saved['world_size']} processes, this run has "
+                            f"{state.world_size}; resume with the same number")
+    knobs = Knobs(**saved["knobs"])
+    fixed = [k for k in knobs.as_dict() if k not in Knobs.RUNTIME and getattr(knobs, k) != getattr(state.knobs, k)]
+    if fixed:
+        raise AdaptiveError(f"checkpoint {path} was trained with other settings ("
+                            + ", ".join(f"{k} {getattr(knobs, k)} vs {getattr(state.knobs, k)}" for k in fixed)
+                            + "); resume with the same ones")
+    if saved["max_steps"] != state.max_steps:
+        logger.warning("the checkpoint's run had max_steps %d, this one %d: the LR schedule follows %d",
+                       saved["max_steps"], state.max_steps, state.max_steps)
+    state.step, state.tokens_seen = saved["step"], saved["tokens_seen"]
+    state.skipped_steps, state.lr_scale = saved["skipped_steps"], saved["lr_scale"]
+    state.samples_seen = saved["samples_seen"][state.accelerator.process_index]
+    state.last_checkpoint = Path(path)
+    control = Control(change_knobs={k: getattr(knobs, k) for k in Knobs.RUNTIME})
+    apply_knob_changes(state, control, loop)
+    _apply_lr_scale(state, loop)
+
+
+def write_run_files(state: TrainerState, loop: Loop) -> None:
+    """plan.json (the plan, the run, the knobs in force) and ds_config.json in the output folder."""
+    if not state.is_main_process:
+        return
+    from adaptive.plan.emit import plan_dict
+
+    run = loop.run
+    plan_json = with_knobs(plan_dict(run.plan), state.knobs)
+    plan_json["run"] = {**run.summary(), "knobs": state.knobs.as_dict(), "output_dir": str(state.output_dir)}
+    ckpt.atomic_write_text(state.output_dir / "plan.json", json.dumps(plan_json, indent=2) + "\n")
+    ds = ds_config_for_knobs(run.ds_config, state.knobs, state.world_size)
+    ckpt.atomic_write_text(state.output_dir / "ds_config.json", json.dumps(ds, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed details
+
+
+def discard_gradients(engine: Any, probe: dict[str, torch.Tensor]) -> None:
+    """Drop every gradient accumulated since the last optimizer step, without updating (all ranks)."""
+    if not hasattr(engine.optimizer, "overflow"):  # fp32 ZeRO-0: the torch optimizer, grads in .grad
+        engine.zero_grad()
+        return
+    # Backpropagate a NaN through a one-sample probe at the boundary: the gradient becomes
+    # non-finite everywhere, and DeepSpeed's overflow check skips the update and clears its buffers.
+    engine.set_gradient_accumulation_boundary(True)
+    out = engine(**probe)
+    engine.backward(out.loss * float("nan"), scale_wrt_gas=False)
+    engine.step()
+    if engine.was_step_applied():
+        raise RuntimeError("DeepSpeed applied a step with non-finite gradients (bf16 with check_grad_overflow "
+                           "off?); enable bf16.check_grad_overflow to let the loop skip steps")
+
+
+def recover_from_oom(state: TrainerState, loop: Loop, step_batch: dict[str, torch.Tensor]) -> None:
+    gc.collect()
+    if loop.device.type == "cuda":
+        torch.cuda.empty_cache()
+    discard_gradients(state.model, _probe(step_batch, loop.device))
+
+
+def _probe(step_batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    n = min(16, step_batch["input_ids"].shape[1])
+    return {k: v[:1, :n].to(device) for k, v in step_batch.items()}
+
+
+def _engine_reports_norm(engine: Any) -> bool:
+    return hasattr(engine.optimizer, "_global_grad_norm")
+
+
+def _reported_norm(engine: Any) -> float | None:
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    return float(norm.item() if hasattr(norm, "item") else norm)
+
+
+def _local_grad_norm(engine: Any) -> float:
+    """The gradient norm before clipping, from .grad (ZeRO-0, where DeepSpeed does not report it);
+    under expert parallelism it covers this rank's experts."""
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+
+
+def _apply_lr_scale(state: TrainerState, loop: Loop) -> None:
+    """The schedule sets each group's LR from its base every step; scale it after."""
+    if state.lr_scale == 1.0:
+        return
+    for group, lr in zip(loop.lr_scheduler.optimizer.param_groups, loop.lr_scheduler.get_last_lr()):
+        group["lr"] = lr * state.lr_scale
+
+
+def current_lr(loop: Loop) -> float:
+    return float(loop.lr_scheduler.optimizer.param_groups[0]["lr"])
+
+
+def _is_log_step(step: int, loop: Loop) -> bool:
+    every = loop.settings.log_every
+    return every > 0 and step % every == 0
+
+
+def _log_line(r: dict[str, Any]) -> str:
+    parts = [f"step {r['step']}", f"loss {r['loss']:.4f}", f"ppl {r['ppl']:.2f}" if r["ppl"] else "ppl -",
+             f"lr {r['lr']:.3g}"]
+    if r["tokens_per_s"]:
+        parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
+    if r["mfu"] is not None:
+        parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if r["grad_norm"] is not None:
+        parts.append(f"grad-norm {r['grad_norm']:.3f}")
+    if r["max_vio_max"] is not None:
+        parts.append(f"MaxVio {r['max_vio_max']:.2f}")
+    if r["dropped_fraction"]:
+        parts.append(f"dropped {sum(r['dropped_fraction']) / len(r['dropped_fraction']):.3f}")
+    if r["mod_skip_rate"]:
+        parts.append(f"MoD skip {sum(r['mod_skip_rate']) / len(r['mod_skip_rate']):.2f}")
+    if r["memory"]:
+        parts.append(f"mem {r['memory']['peak_allocated_bytes'] / 2**30:.1f} GiB")
+    return " | ".join(parts)
+
+
+def _progress_info(metrics: dict[str, Any] | None) -> str | None:
+    return f"loss {metrics['loss']:.3f}" if metrics else None
+
+
+class _stop_on_sigterm:
+    """SIGTERM (what schedulers send before preemption) sets the stop flag: the loop checkpoints
+    after the current step and returns. Installed only in the main thread."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+        self.previous: Any = None
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, lambda *_: self.event.set())
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+__all__ = ["EXPORT_REQUEST", "FINAL_EXPORT", "Loop", "LoopSettings", "STOP_REQUEST", "apply_knob_changes",
+           "discard_gradients", "evaluate", "maybe_checkpoint", "maybe_evaluate", "restore", "rollback", "save",
+           "train", "train_step", "write_run_files"]

@@ -1,0 +1,373 @@
+"""Size a training run: which device, which GPU, which knobs and which DeepSpeed config.
+
+Runs before anything heavy (no Accelerator, no model); imports torch only to detect a CUDA GPU when
+`--gpu` is not given. The same `adaptive.plan.fit` as `adaptive fit` chooses the knobs.
+
+Where the DeepSpeed config comes from (first match wins):
+
+    "file"          --ds-config FILE
+    "accelerate"    an accelerate config (or launch flags) naming DeepSpeed settings: its
+                    deepspeed_config_file (ACCELERATE_DEEPSPEED_CONFIG_FILE), or its zero_stage /
+                    offload / gradient_accumulation_steps / gradient_clipping
+    "plan"          otherwise: emitted from the plan (`adaptive.plan.emit.ds_config`)
+
+A file's explicit values pin the planner (ZeRO stage, offload, micro-batch, accumulation); its
+"auto" values are filled from the plan. accelerate's own settings pin the planner the same way.
+A flag that contradicts an explicit value is an error.
+
+On a machine without CUDA the run goes to the CPU: fp32, and small knobs from flags or CPU
+defaults (sequence 128, micro-batch 4, accumulation 1, no offload, ep_size 1). The planner still
+runs, with those knobs pinned, against `--gpu` or a nominal a100-80gb; on a CPU only its model
+FLOPs per token and its ZeRO layout are used, its GPU memory and speed figures are not.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from adaptive.errors import AdaptiveError
+from adaptive.orchestrator.callbacks import Knobs
+from adaptive.plan import GPU, Plan, fit, get_gpu, make_request
+from adaptive.plan.emit import GRADIENT_CLIPPING, ds_config
+from adaptive.plan.gpus import match_detected_gpu
+
+NOMINAL_GPU = "a100-80gb"  # what a CPU run is planned against when --gpu is not given
+CPU_SEQ_LEN = 128
+CPU_MICRO_BATCH = 4
+CPU_GRAD_ACCUM = 1
+CPU_MAX_STEPS = 100
+GPU_SEQ_LEN = 2048  # the user's training regime
+FP16_SECTION = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                "hysteresis": 2, "min_loss_scale": 1}
+
+
+@dataclass(frozen=True)
+class World:
+    """Processes of the launch: all of them, per node, and nodes."""
+
+    size: int = 1
+    per_node: int = 1
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.size // self.per_node)
+
+
+def launcher_world() -> World:
+    """The world the launcher (accelerate, torchrun, deepspeed) set up; one process without one."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or size)
+    return World(size, min(per_node, size))
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str  # "cuda" | "cpu"
+    gpu: GPU | None  # the catalog GPU the run is measured against; None on a CPU
+    detected: str | None = None  # what torch reported
+
+
+def detect_device(gpu_flag: str | None, assume_gpu: bool = False) -> Device:
+    """CUDA with its catalog GPU, or the CPU. `--gpu` names the GPU; with `assume_gpu` (dry runs)
+    it is taken as present without looking."""
+    named = get_gpu(gpu_flag) if gpu_flag else None
+    if named is not None and assume_gpu:
+        return Device("cuda", named)
+    import torch
+
+    if not torch.cuda.is_available():
+        return Device("cpu", None)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    detected = f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
+    if named is not None:
+        return Device("cuda", named, detected)
+    match = match_detected_gpu(props.name, props.total_memory)
+    if match is None:
+        raise AdaptiveError(f"GPU {detected} is not in the catalog; pass --gpu NAME (see `adaptive gpus`)")
+    return Device("cuda", match, detected)
+
+
+@dataclass(frozen=True)
+class DeepSpeedSource:
+    kind: str  # "file" | "accelerate" | "plan"
+    path: str | None = None
+    config: dict[str, Any] | None = None  # the file's config, "auto" values still in it
+    pins: dict[str, Any] | None = None  # knobs it fixes: zero, offload, micro_batch, grad_accum, clipping
+
+
+def _explicit(value: Any) -> bool:
+    return value is not None and value != "auto"
+
+
+def _load_json(path: str) -> dict[str, Any]:
+    try:
+        return json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise AdaptiveError(f"DeepSpeed config {path!r} does not exist") from None
+    except json.JSONDecodeError as err:
+        raise AdaptiveError(f"DeepSpeed config {path!r} is not valid JSON: {err}") from None
+
+
+def _offload_pin(optimizer_device: str | None, param_device: str | None) -> str | None:
+    devices = {optimizer_device, param_device} - {None, "none", "auto"}
+    if not devices:
+        return "none" if optimizer_device == "none" or param_device == "none" else None
+    return "all" if param_device not in (None, "none", "auto") else "optimizer"
+
+
+def file_pins(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The knobs a DeepSpeed config fixes (explicit values only)."""
+    zero = cfg.get("zero_optimization", {}) or {}
+    pins: dict[str, Any] = {}
+    if _explicit(zero.get("stage")):
+        pins["zero"] = int(zero["stage"])
+    offload = _offload_pin((zero.get("offload_optimizer") or {}).get("device"),
+                           (zero.get("offload_param") or {}).get("device"))
+    if offload is not None:
+        pins["offload"] = offload
+    if _explicit(cfg.get("train_micro_batch_size_per_gpu")):
+        pins["micro_batch"] = int(cfg["train_micro_batch_size_per_gpu"])
+    if _explicit(cfg.get("gradient_accumulation_steps")):
+        pins["grad_accum"] = int(cfg["gradient_accumulation_steps"])
+    if _explicit(cfg.get("gradient_clipping")):
+        pins["clipping"] = float(cfg["gradient_clipping"])
+    for name in ("bf16", "fp16"):
+        section = cfg.get(name) or {}
+        if section.get("enabled") is True or str(section.get("enabled")).lower() == "true":
+            pins["precision"] = name
+    return pins
+
+
+def accelerate_pins(env: dict[str, str]) -> dict[str, Any]:
+    """DeepSpeed settings an accelerate config or launch flags set (ACCELERATE_* variables)."""
+    pins: dict[str, Any] = {}
+    if "ACCELERATE_DEEPSPEED_ZERO_STAGE" in env:
+        pins["zero"] = int(env["ACCELERATE_DEEPSPEED_ZERO_STAGE"])
+    offload = _offload_pin(env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
+                           env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"))
+    if offload is not None:
+        pins["offload"] = offload
+    gas = env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "")
+    if gas.isdigit():
+        pins["grad_accum"] = int(gas)
+    clip = env.get("ACCELERATE_GRADIENT_CLIPPING", "")
+    if clip and clip != "auto":
+        pins["clipping"] = float(clip)
+    return pins
+
+
+def deepspeed_source(ds_config_flag: str | None, env: dict[str, str] | None = None) -> DeepSpeedSource:
+    env = dict(os.environ) if env is None else env
+    if ds_config_flag:
+        cfg = _load_json(ds_config_flag)
+        return DeepSpeedSource("file", ds_config_flag, cfg, file_pins(cfg))
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if path and path != "none":
+            cfg = _load_json(path)
+            return DeepSpeedSource("accelerate", path, cfg, file_pins(cfg))
+        pins = accelerate_pins(env)
+        if pins:
+            return DeepSpeedSource("accelerate", None, None, pins)
+    return DeepSpeedSource("plan")
+
+
+def precision_for(device: Device, source: DeepSpeedSource, env: dict[str, str]) -> str:
+    """bf16 where the GPU has it, fp16 with loss scaling where not (T4), fp32 on a CPU; an explicit
+    choice in the DeepSpeed file or accelerate's --mixed_precision wins."""
+    chosen = (source.pins or {}).get("precision")
+    launched = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launched in ("bf16", "fp16"):
+        if chosen is not None and chosen != launched:
+            raise AdaptiveError(f"accelerate's --mixed_precision {launched} contradicts {chosen} in {source.path}")
+        chosen = launched
+    if device.kind == "cpu":
+        if chosen == "fp16":
+            raise AdaptiveError("fp16 needs a GPU; on a CPU train in fp32 (or bf16 in the DeepSpeed config)")
+        return chosen or "fp32"
+    if chosen == "bf16" and not device.gpu.bf16:
+        raise AdaptiveError(f"{device.gpu.name} has no bf16; use fp16 (loss scaling) or omit the precision")
+    return chosen or ("bf16" if device.gpu.bf16 else "fp16")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything the run is sized with."""
+
+    preset: str
+    arch: str
+    plan: Plan
+    knobs: Knobs
+    ds_config: dict[str, Any]  # what goes to accelerate's DeepSpeedPlugin (hidden-size "auto"s remain)
+    ds_source: DeepSpeedSource
+    precision: str  # "bf16" | "fp16" | "fp32"
+    device: Device
+    world: World
+    max_steps: int
+    orchestrator_requested: str
+    orchestrator: bool
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.knobs.samples_per_step * self.knobs.seq_len * self.world.size
+
+    @property
+    def peak_tflops(self) -> float | None:
+        """The GPU's peak for MFU; None on a CPU."""
+        return self.device.gpu.peak_tflops if self.device.kind == "cuda" and self.device.gpu else None
+
+    @property
+    def model_flops_per_token(self) -> float:
+        return self.plan.shown.throughput.model_flops_per_token
+
+    def summary(self) -> dict[str, Any]:
+        """The run section written to plan.json and printed by --dry-run."""
+        return {
+            "preset": self.preset,
+            "arch": self.arch,
+            "device": self.device.kind,
+            "gpu": self.device.gpu.name if self.device.gpu else None,
+            "detected": self.device.detected,
+            "planned_against": self.plan.request.gpu.name,
+            "world_size": self.world.size,
+            "gpus_per_node": self.world.per_node,
+            "num_nodes": self.world.nodes,
+            "precision": self.precision,
+            "knobs": self.knobs.as_dict(),
+            "ds_config_source": {"kind": self.ds_source.kind, "path": self.ds_source.path},
+            "max_steps": self.max_steps,
+            "tokens_per_step": self.tokens_per_step,
+            "model_flops_per_token": self.model_flops_per_token,
+            "orchestrator": {"requested": self.orchestrator_requested, "enabled": self.orchestrator,
+                             "reason": self.plan.orchestrator.reason},
+        }
+
+
+def _merge_pin(name: str, flag: Any, pinned: Any, source: DeepSpeedSource) -> Any:
+    if flag is not None and pinned is not None and flag != pinned:
+        where = source.path or "the accelerate config"
+        raise AdaptiveError(f"--{name.replace('_', '-')} {flag} contradicts {pinned} in {where}")
+    return flag if flag is not None else pinned
+
+
+def plan_run(args: Any, world: World, device: Device, env: dict[str, str] | None = None) -> RunPlan:
+    """Plan the run for `args` (entry.RunArgs) on `world` x `device`."""
+    env = dict(os.environ) if env is None else env
+    source = deepspeed_source(args.ds_config, env)
+    pins = source.pins or {}
+    cpu = device.kind == "cpu"
+    zero = _merge_pin("zero", args.zero, pins.get("zero"), source)
+    offload = _merge_pin("offload", args.offload, pins.get("offload"), source)
+    micro = _merge_pin("micro_batch", args.micro_batch, pins.get("micro_batch"), source)
+    accum = _merge_pin("grad_accum", args.grad_accum, pins.get("grad_accum"), source)
+    seq = args.seq_len or (CPU_SEQ_LEN if cpu else GPU_SEQ_LEN)
+    checkpointing, ep_size = args.checkpointing, args.ep_size
+    global_tokens = None
+    if cpu:
+        micro = micro or CPU_MICRO_BATCH
+        accum = accum or CPU_GRAD_ACCUM
+        offload = offload or "none"
+        checkpointing = bool(checkpointing)
+        ep_size = ep_size or 1
+        global_tokens = micro * accum * seq * world.size
+    request = make_request(
+        model=args.preset, arch=args.arch, gpu=device.gpu.name if device.gpu else (args.gpu or NOMINAL_GPU),
+        gpus=world.per_node, nodes=world.nodes, seq_len=seq, global_batch_tokens=global_tokens,
+        tokens=args.tokens, zero=zero, offload=offload, micro_batch=micro, grad_accum=accum,
+        checkpointing=checkpointing, ep_size=ep_size,
+    )
+    plan = fit(request, suggest=not cpu)
+    if not plan.fits and not cpu:
+        hint = f"; would fit: {plan.suggestions[0]}" if plan.suggestions else ""
+        raise AdaptiveError(
+            f"{args.preset} {args.arch} does not fit {world.size} x {request.gpu.name} with these settings"
+            f"{hint} (see `adaptive fit --model {args.preset} --arch {args.arch} --gpu {request.gpu.name}`)"
+        )
+    chosen = plan.shown
+    s = chosen.setup
+    knobs = Knobs(micro_batch_size=s.micro_batch_size, gradient_accumulation_steps=chosen.grad_accum,
+                  seq_len=s.seq_len, gradient_checkpointing=s.gradient_checkpointing, zero_stage=s.zero_stage,
+                  offload_optimizer=s.offload_optimizer, offload_params=s.offload_params, ep_size=s.ep_size)
+    precision = precision_for(device, source, env)
+    base = source.config if source.config is not None else ds_config(s, chosen.grad_accum, request.gpu)
+    cfg = finalize_ds_config(base, knobs, world.size, precision, pins.get("clipping"))
+    max_steps = steps_for(args.max_steps, args.tokens, knobs, world.size, plan, cpu)
+    requested = args.orchestrator
+    enabled = requested == "on" or (requested == "auto" and plan.orchestrator.recommended)
+    return RunPlan(preset=args.preset, arch=args.arch, plan=plan, knobs=knobs, ds_config=cfg, ds_source=source,
+                   precision=precision, device=device, world=world, max_steps=max_steps,
+                   orchestrator_requested=requested, orchestrator=enabled)
+
+
+def steps_for(max_steps: int | None, tokens: float | None, knobs: Knobs, world_size: int, plan: Plan,
+              cpu: bool) -> int:
+    """--max-steps; else --tokens over the tokens per step; else the plan's training tokens (GPU)
+    or a short CPU run."""
+    if max_steps is not None:
+        return max_steps
+    per_step = knobs.samples_per_step * knobs.seq_len * world_size
+    if tokens is not None:
+        return max(1, math.ceil(tokens / per_step))
+    return CPU_MAX_STEPS if cpu else max(1, math.ceil(plan.train_tokens / per_step))
+
+
+def finalize_ds_config(base: dict[str, Any], knobs: Knobs, world_size: int, precision: str,
+                       clipping: float | None = None) -> dict[str, Any]:
+    """The config accelerate gets: batch sizes and ZeRO layout from the knobs, precision set,
+    clipping filled; only accelerate's hidden-size "auto" values remain."""
+    cfg = copy.deepcopy(base)
+    cfg["train_micro_batch_size_per_gpu"] = knobs.micro_batch_size
+    cfg["gradient_accumulation_steps"] = knobs.gradient_accumulation_steps
+    cfg["train_batch_size"] = knobs.samples_per_step * world_size
+    if not _explicit(cfg.get("gradient_clipping")):
+        cfg["gradient_clipping"] = clipping if clipping is not None else GRADIENT_CLIPPING
+    zero = cfg.setdefault("zero_optimization", {})
+    zero["stage"] = knobs.zero_stage
+    for key, on in (("offload_optimizer", knobs.offload_optimizer), ("offload_param", knobs.offload_params)):
+        section = zero.get(key) or {}
+        if on and section.get("device") in (None, "none", "auto"):
+            zero[key] = {**section, "device": "cpu", "pin_memory": True}
+        elif not on and key in zero:
+            zero.pop(key)
+    if knobs.offload_optimizer:
+        # the loop builds DeepSpeedCPUAdam itself (betas 0.9/0.95); accelerate's own swap would drop the betas
+        cfg["zero_force_ds_cpu_optimizer"] = False
+    if precision == "bf16":
+        cfg["bf16"] = {**(cfg.get("bf16") or {}), "enabled": True}
+        cfg.pop("fp16", None)
+    elif precision == "fp16":
+        section = {k: v for k, v in (cfg.get("fp16") or {}).items() if v != "auto"}
+        cfg["fp16"] = {**FP16_SECTION, **section, "enabled": True}
+        cfg.pop("bf16", None)
+    else:
+        cfg.pop("bf16", None)
+        cfg.pop("fp16", None)
+    return cfg
+
+
+def ds_config_for_knobs(cfg: dict[str, Any], knobs: Knobs, world_size: int) -> dict[str, Any]:
+    """`cfg` with the batch knobs in force written back (after the orchestrator changed them)."""
+    out = copy.deepcopy(cfg)
+    out["train_micro_batch_size_per_gpu"] = knobs.micro_batch_size
+    out["gradient_accumulation_steps"] = knobs.gradient_accumulation_steps
+    out["train_batch_size"] = knobs.samples_per_step * world_size
+    return out
+
+
+def with_knobs(plan_json: dict[str, Any], knobs: Knobs) -> dict[str, Any]:
+    """plan.json's plan fields updated to the knobs in force."""
+    out = dict(plan_json)
+    out.update(micro_batch_size=knobs.micro_batch_size, gradient_accumulation_steps=knobs.gradient_accumulation_steps,
+               gradient_checkpointing=knobs.gradient_checkpointing)
+    return out
+
+
+__all__ = ["DeepSpeedSource", "Device", "NOMINAL_GPU", "RunPlan", "World", "deepspeed_source", "detect_device",
+           "ds_config_for_knobs", "file_pins", "finalize_ds_config", "launcher_world", "plan_run", "precision_for",
+           "steps_for", "with_knobs"]

@@ -1,0 +1,15 @@
+"""Train b1 as dense on DeepSpeed, sized by the planner for the GPUs found.
+
+b1: ~1B parameters. dense: a dense decoder.
+
+    accelerate launch --use_deepspeed --num_processes 8 recipes/b1_dense.py   # a GPU box
+    adaptive launch recipes/b1_dense.py --gpu h100 --gpus 8 --nodes 2 --hostfile hosts
+    python recipes/b1_dense.py --dry-run --gpu a100-80gb --gpus 8   # the plan, no training
+
+Flags: `python recipes/b1_dense.py --help` and README.md, section Training.
+"""
+
+from adaptive.train.entry import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(preset="b1", arch="dense"))

@@ -1,0 +1,15 @@
+"""Train b7 as dense on DeepSpeed, sized by the planner for the GPUs found.
+
+b7: ~7B parameters (Mistral-7B's shape). dense: a dense decoder.
+
+    accelerate launch --use_deepspeed --num_processes 8 recipes/b7_dense.py   # a GPU box
+    adaptive launch recipes/b7_dense.py --gpu h100 --gpus 8 --nodes 2 --hostfile hosts
+    python recipes/b7_dense.py --dry-run --gpu a100-80gb --gpus 8   # the plan, no training
+
+Flags: `python recipes/b7_dense.py --help` and README.md, section Training.
+"""
+
+from adaptive.train.entry import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(preset="b7", arch="dense"))

@@ -1,0 +1,16 @@
+"""Train b7 as hybrid on DeepSpeed, sized by the planner for the GPUs found.
+
+b7: ~7B parameters (Mistral-7B's shape). hybrid: MoE in every
+block, every other block MoD-routed.
+
+    accelerate launch --use_deepspeed --num_processes 8 recipes/b7_hybrid.py   # a GPU box
+    adaptive launch recipes/b7_hybrid.py --gpu h100 --gpus 8 --nodes 2 --hostfile hosts
+    python recipes/b7_hybrid.py --dry-run --gpu a100-80gb --gpus 8   # the plan, no training
+
+Flags: `python recipes/b7_hybrid.py --help` and README.md, section Training.
+"""
+
+from adaptive.train.entry import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(preset="b7", arch="hybrid"))

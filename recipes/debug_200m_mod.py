@@ -1,0 +1,16 @@
+"""Train debug_200m as mod on DeepSpeed, sized by the planner for the GPUs found.
+
+debug_200m: ~200M parameters. mod: Mixture-of-Depths,
+every other block routed at capacity 0.5.
+
+    accelerate launch --use_deepspeed --num_processes 8 recipes/debug_200m_mod.py   # a GPU box
+    adaptive launch recipes/debug_200m_mod.py --gpu h100 --gpus 8 --nodes 2 --hostfile hosts
+    python recipes/debug_200m_mod.py --dry-run --gpu a100-80gb --gpus 8   # the plan, no training
+
+Flags: `python recipes/debug_200m_mod.py --help` and README.md, section Training.
+"""
+
+from adaptive.train.entry import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(preset="debug_200m", arch="mod"))
