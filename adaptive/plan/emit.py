@@ -84,6 +84,8 @@ def preset_ds_configs() -> dict[str, dict]:
                            offload_optimizer=offload in ("optimizer", "all"), offload_params=offload == "all",
                            gradient_checkpointing=False)
         cfg = ds_config(setup, 1, gpu)
+        if "reduce_bucket_size" in cfg["zero_optimization"]:  # generic files: not sized to the debug model
+            cfg["zero_optimization"]["reduce_bucket_size"] = mem.REDUCE_BUCKET_ELEMENTS
         cfg.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto")
         cfg.pop("bf16", None)
         cfg["bf16"] = {"enabled": "auto"}
