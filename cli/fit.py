@@ -58,6 +58,8 @@ def fit(
     host_mem: Annotated[Optional[float], typer.Option(help="Host RAM per node in GiB (default 3x GPU memory).")] = None,
     gpu_mem: GpuMem = None,
     gpu_tflops: GpuTflops = None,
+    calibrate: Annotated[Optional[str], typer.Option(
+        help="Plan with measured activations from `adaptive measure --save-calibration FILE`.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Write ds_config.json, accelerate_config.yaml, plan.json here.")] = None,
     json_output: Json = False,
 ) -> None:
@@ -68,7 +70,7 @@ def fit(
         offload=offload.value if offload else None, micro_batch=micro_batch, grad_accum=grad_accum,
         checkpointing=checkpointing, ep_size=ep_size, capacity_factor=capacity_factor,
         mod_capacity=mod_capacity, mfu=mfu, price=price, host_mem_gib=host_mem, gpu_mem_gib=gpu_mem,
-        gpu_tflops=gpu_tflops)
+        gpu_tflops=gpu_tflops, calibrate=calibrate)
     plan = plan_fit(request)
     files = write_plan_files(plan, out) if out else None
     if json_output:

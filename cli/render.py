@@ -23,8 +23,8 @@ PART_LABELS = {
     "optimizer": "optimizer states (fp32 master, m, v)",
     "zero3_live_params": "ZeRO-3 gathered layer",
     "activations": "activations (saved for backward)",
-    "logits_and_loss": "logits and loss (fp32)",
-    "backward_transient": "backward working set",
+    "logits_and_loss": "loss's fp32 log-softmax (saved)",
+    "backward_transient": "backward working set (logit grads / recompute)",
     "comm_buckets": "DeepSpeed comm buckets",
     "fragmentation": "allocator fragmentation (5%)",
     "cuda_context": "CUDA context (allowance)",
@@ -142,3 +142,21 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
         console.print("Wrote " + ", ".join(str(f) for f in files.values()))
         console.print(f"Launch: accelerate launch --config_file {files['accelerate_config']} recipes/<recipe>.py "
                       f"--ds-config {files['ds_config']}")
+
+
+def measure_report(report, files: dict | None = None) -> None:
+    """Predicted vs measured, part by part."""
+    s = report.setup
+    console.print(f"{s.spec.name} {s.spec.arch}: micro-batch {s.micro_batch_size} x seq {s.seq_len}, "
+                  f"checkpointing {'on' if s.gradient_checkpointing else 'off'}, ZeRO-{s.zero_stage} layout on one GPU")
+    t = Table(title="Predicted (adaptive fit) vs measured (real model, fake tensors)", box=box.SIMPLE_HEAD)
+    for col in ("part", "predicted GiB", "measured GiB", "error"):
+        t.add_column(col, justify="left" if col == "part" else "right")
+    for p in report.parts:
+        style = "" if abs(p.error) <= 0.05 else "red"
+        t.add_row(p.name, f"{p.predicted_bytes / GiB:,.3f}", f"{p.measured_bytes / GiB:,.3f}",
+                  Text(f"{p.error:+.2%}", style=style))
+    console.print(t)
+    console.print(f"How: {report.measurement.method}.")
+    for name, path in (files or {}).items():
+        console.print(f"Wrote {name}: {path}")

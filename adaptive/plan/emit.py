@@ -213,6 +213,8 @@ def assumptions(plan: Plan) -> dict:
         "cpu_adam_params_per_second": tp.CPU_ADAM_PARAMS_PER_S,
         "capacity_factor": plan.request.capacity_factor,
         "train_tokens_rule": "given" if plan.request.train_tokens else "20 x active params (Chinchilla)",
+        "activations": (f"measured (calibration at seq {plan.request.calibration.seq_len}, scaled per token)"
+                        if plan.request.calibration else "formula (adaptive.plan.activations)"),
     }
 
 

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from adaptive.plan.activations import activation_bytes, backward_peak_bytes
+from adaptive.plan.calibration import Calibration
 from adaptive.plan.params import ParamCounts, count_params
 from adaptive.plan.presets import ModelSpec
 
@@ -46,6 +47,7 @@ class TrainSetup:
     ep_size: int = 1
     capacity_factor: float = 1.0
     bytes_per_param: int = 2  # bf16 or fp16 weights and activations
+    calibration: Calibration | None = None  # measured activations replace the formula
 
     @property
     def world_size(self) -> int:
@@ -174,13 +176,18 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
     parts = model_state_bytes(setup, counts)
     offload = setup.offload_optimizer
     parts["zero3_grad_partition"] = int(2 * partition) if setup.zero_stage == 3 and not offload else 0
-    saved = activation_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, setup.gradient_checkpointing,
-                             setup.capacity_factor)
-    log_softmax = setup.tokens_per_micro_batch * setup.spec.vocab_size * 4
+    tokens, ckpt = setup.tokens_per_micro_batch, setup.gradient_checkpointing
+    if setup.calibration is not None:
+        saved = setup.calibration.activation_bytes(tokens, ckpt)
+        backward_peak = setup.calibration.backward_bytes(tokens, ckpt)
+    else:
+        saved = activation_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, ckpt, setup.capacity_factor)
+        backward_peak = backward_peak_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, ckpt,
+                                            setup.capacity_factor)
+    log_softmax = min(saved, tokens * setup.spec.vocab_size * 4)
     parts["activations"] = saved - log_softmax
     parts["logits_and_loss"] = log_softmax  # the loss keeps its fp32 log-softmax for backward
-    parts["backward_transient"] = backward_peak_bytes(setup.spec, setup.seq_len, setup.micro_batch_size,
-                                                      setup.gradient_checkpointing, setup.capacity_factor) - saved
+    parts["backward_transient"] = backward_peak - saved
     parts["comm_buckets"] = comm_buffer_bytes(setup, counts)
 
     # Which gradient bytes persist: ZeRO-1/2 keep a 16-bit partition buffer between steps and build
@@ -190,6 +197,9 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
                   + grads_persistent)
     backward = (parts["activations"] + parts["logits_and_loss"] + parts["backward_transient"]
                 + parts["zero3_live_params"])
+    if setup.zero_stage == 0 and not offload:
+        # ZeRO-0 accumulates the 16-bit gradients during backward; they are complete when it ends
+        backward = max(backward, parts["params"])
     step = parts["grads"] - grads_persistent
     allocated = persistent + max(backward, step)
     parts["fragmentation"] = int(math.ceil(FRAGMENTATION * allocated))

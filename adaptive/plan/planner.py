@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from adaptive.errors import AdaptiveError, require_positive
 from adaptive.plan.advice import OrchestratorAdvice, orchestrator_advice
+from adaptive.plan.calibration import Calibration
 from adaptive.plan.gpus import CATALOG, GPU
 from adaptive.plan.memory import MemoryEstimate, TrainSetup, estimate_memory
 from adaptive.plan.params import ParamCounts, count_params
@@ -42,7 +43,8 @@ class FitRequest:
     ep_size: int | None = None
     capacity_factor: float = 1.0
     mfu: float | None = None
-    host_mem_bytes: int | None = None  # per node; default: 2x the node's GPU memory
+    host_mem_bytes: int | None = None  # per node; default: 3x the node's GPU memory
+    calibration: Calibration | None = None  # measured activations (adaptive measure --save-calibration)
 
     @property
     def world_size(self) -> int:
@@ -215,7 +217,7 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
     setup = TrainSetup(spec=spec, seq_len=seq, micro_batch_size=micro, zero_stage=zero,
                        offload_optimizer=offload in ("optimizer", "all"), offload_params=offload == "all",
                        gradient_checkpointing=ckpt, gpus_per_node=req.gpus_per_node, num_nodes=req.num_nodes,
-                       ep_size=ep, capacity_factor=req.capacity_factor)
+                       ep_size=ep, capacity_factor=req.capacity_factor, calibration=req.calibration)
     accum = req.grad_accum or grad_accum_for(req, global_tokens, seq, micro)
     mem = estimate_memory(setup)
     tp = estimate_throughput(setup, req.gpu, accum, req.mfu)

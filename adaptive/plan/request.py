@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from adaptive.errors import AdaptiveError, require_positive
+from adaptive.plan.calibration import load as load_calibration
 from adaptive.plan.gpus import GiB, GPU, custom_gpu, get_gpu
 from adaptive.plan.hf_config import looks_like_path, spec_from_hf_config
 from adaptive.plan.planner import FitRequest
@@ -41,14 +42,17 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
                  checkpointing: bool | None = None, ep_size: int | None = None,
                  capacity_factor: float = 1.0, mod_capacity: float | None = None, mfu: float | None = None,
                  price: float | None = None, host_mem_gib: float | None = None,
-                 gpu_mem_gib: float | None = None, gpu_tflops: float | None = None) -> FitRequest:
+                 gpu_mem_gib: float | None = None, gpu_tflops: float | None = None,
+                 calibrate: str | None = None) -> FitRequest:
     require_positive("--host-mem", host_mem_gib)
+    spec = resolve_model(model, arch, mod_capacity)
     return FitRequest(
-        spec=resolve_model(model, arch, mod_capacity),
+        spec=spec,
         gpu=resolve_gpu(gpu, gpu_mem_gib, gpu_tflops, price),
         gpus_per_node=gpus, num_nodes=nodes, seq_len=seq_len, min_seq_len=min_seq_len,
         global_batch_tokens=global_batch_tokens, train_tokens=tokens, zero_stage=zero, offload=offload,
         micro_batch_size=micro_batch, grad_accum=grad_accum, gradient_checkpointing=checkpointing,
         ep_size=ep_size, capacity_factor=capacity_factor, mfu=mfu,
         host_mem_bytes=int(host_mem_gib * GiB) if host_mem_gib is not None else None,
+        calibration=load_calibration(calibrate, spec) if calibrate else None,
     )

@@ -1,0 +1,80 @@
+"""Put the planner's prediction next to a measurement of the same settings, part by part."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from adaptive.fidelity.measure import Measurement, measure_step
+from adaptive.plan.hf_config import looks_like_path, read_config_json
+from adaptive.plan.memory import TrainSetup, estimate_memory, reduce_bucket_elements
+from adaptive.plan.params import count_params
+from adaptive.plan.planner import FitRequest
+
+
+@dataclass(frozen=True)
+class PartComparison:
+    name: str
+    predicted_bytes: int
+    measured_bytes: int
+
+    @property
+    def error(self) -> float:
+        return self.predicted_bytes / self.measured_bytes - 1 if self.measured_bytes else 0.0
+
+
+@dataclass(frozen=True)
+class FidelityReport:
+    setup: TrainSetup
+    measurement: Measurement
+    parts: tuple[PartComparison, ...]
+
+    @property
+    def worst(self) -> PartComparison:
+        return max(self.parts, key=lambda p: abs(p.error))
+
+
+def setup_for(request: FitRequest, zero_stage: int, micro_batch: int, checkpointing: bool) -> TrainSetup:
+    """One GPU's setup: measurements run one process, so ZeRO partitions over one GPU."""
+    return TrainSetup(spec=request.spec, seq_len=request.seq_len, micro_batch_size=micro_batch,
+                      zero_stage=zero_stage, offload_optimizer=False, offload_params=False,
+                      gradient_checkpointing=checkpointing, capacity_factor=request.capacity_factor)
+
+
+def compare(request: FitRequest, model_arg: str, *, zero_stage: int = 0, micro_batch: int = 1,
+            checkpointing: bool = False, full_depth: bool = False) -> FidelityReport:
+    """Measure `request`'s model at the given settings and compare with `estimate_memory`."""
+    hf_config = read_config_json(model_arg) if looks_like_path(model_arg) else None
+    setup = setup_for(request, zero_stage, micro_batch, checkpointing)
+    predicted = estimate_memory(setup)
+    buckets = reduce_bucket_elements(count_params(request.spec)) if zero_stage in (1, 2) else 0
+    dtype = "bf16" if request.gpu.bf16 else "fp16"
+    m = measure_step(request.spec, setup.seq_len, micro_batch, checkpointing, zero_stage=zero_stage, dtype=dtype,
+                     hf_config=hf_config, bucket_elements=buckets, full_depth=full_depth)
+    p = predicted.parts
+    parts = (
+        PartComparison("activations (saved for backward)", p["activations"] + p["logits_and_loss"],
+                       m.phases.activations),
+        PartComparison("backward phase (activations + working set)", predicted.backward_bytes, m.phases.backward),
+        PartComparison("model states and buffers between steps", predicted.persistent_bytes, m.phases.persistent),
+        PartComparison("optimizer step (fp32 gradients)", predicted.step_bytes, m.phases.step),
+        PartComparison("peak (allocated, no allowances)", predicted.allocated_peak_bytes, m.peak_bytes),
+    )
+    return FidelityReport(setup, m, parts)
+
+
+def report_dict(report: FidelityReport) -> dict:
+    s = report.setup
+    return {
+        "model": s.spec.name,
+        "arch": s.spec.arch,
+        "seq_len": s.seq_len,
+        "micro_batch_size": s.micro_batch_size,
+        "gradient_checkpointing": s.gradient_checkpointing,
+        "zero_stage": s.zero_stage,
+        "method": report.measurement.method,
+        "depths_built": list(report.measurement.depths),
+        "layers": report.measurement.layers_total,
+        "parts": [{"name": p.name, "predicted_bytes": p.predicted_bytes, "measured_bytes": p.measured_bytes,
+                   "error": p.error} for p in report.parts],
+        "worst_error": report.worst.error,
+    }

@@ -1,0 +1,92 @@
+"""The planner's activation and peak predictions against measurements of the real model classes.
+
+A representative subset of docs/BENCHMARKS.md's full table (every preset x arch x checkpointing x
+seq x micro-batch, made by bench/fidelity_table.py): the debug preset in every cell it has, the MoE
+backward working set where it dominates (debug_200m, seq 2048, micro-batch 2), and big presets at
+reduced depth. Measurements use fake tensors; the peak excludes the CUDA-context and fragmentation
+allowances.
+"""
+
+import json
+
+import pytest
+
+from adaptive.fidelity.compare import compare
+from adaptive.fidelity.measure import measure_step
+from adaptive.plan import make_request
+from adaptive.plan.memory import TrainSetup, estimate_memory
+from adaptive.plan.presets import ARCHS, preset_spec
+
+TOLERANCE = 0.05
+
+
+def check(record_error, request, model_arg, cell, **kw):
+    report = compare(request, model_arg, **kw)
+    for part in report.parts:
+        record_error(part.error, f"{cell}: {part.name}")
+        assert abs(part.error) <= TOLERANCE, (cell, part)
+    return report
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("micro_batch", [2])
+def test_debug_preset_predictions_match_measurement(record_error, arch, checkpointing, micro_batch):
+    request = make_request(model="debug", arch=arch, gpu="a100-80gb", seq_len=512)
+    check(record_error, request, "debug", f"debug {arch} ckpt={checkpointing} mb={micro_batch}",
+          zero_stage=2, micro_batch=micro_batch, checkpointing=checkpointing)
+
+
+@pytest.mark.parametrize("arch", ["moe", "hybrid"])
+def test_moe_backward_working_set_where_it_sets_the_peak(record_error, arch):
+    request = make_request(model="debug_200m", arch=arch, gpu="a100-80gb", seq_len=2048)
+    report = check(record_error, request, "debug_200m", f"debug_200m {arch} seq 2048 mb 2", zero_stage=2,
+                   micro_batch=2)
+    backward = next(p for p in report.parts if p.name.startswith("backward"))
+    step = next(p for p in report.parts if p.name.startswith("optimizer"))
+    assert backward.measured_bytes > step.measured_bytes  # the cell really is backward-bound
+
+
+@pytest.mark.parametrize("model,arch", [("b7", "dense"), ("b7", "hybrid"), ("b70", "moe")])
+def test_big_presets_at_reduced_depth(record_error, model, arch):
+    request = make_request(model=model, arch=arch, gpu="h200", seq_len=2048)
+    report = check(record_error, request, model, f"{model} {arch} seq 2048", zero_stage=2, micro_batch=1)
+    assert report.measurement.depths == (4, 8) if arch == "hybrid" else (2, 4)
+
+
+def test_depth_extrapolation_equals_building_every_layer():
+    spec = preset_spec("debug_200m", "mod")  # 12 layers
+    full = measure_step(spec, 512, 1, False, zero_stage=2, bucket_elements=1, full_depth=True)
+    extrapolated = measure_step(spec, 512, 1, False, zero_stage=2, bucket_elements=1)
+    assert extrapolated.depths == (4, 8) and full.depths == (12,)
+    for a, b in zip(full.phases.as_tuple(), extrapolated.phases.as_tuple()):
+        assert b == pytest.approx(a, rel=0.005)
+
+
+HF_CONFIGS = {
+    # odd layer counts, GQA ratio 3, vocabularies that are not powers of two, head_dim != hidden/heads
+    "llama": dict(model_type="llama", vocab_size=32003, hidden_size=384, intermediate_size=1000,
+                  num_hidden_layers=3, num_attention_heads=12, num_key_value_heads=4),
+    "mistral": dict(model_type="mistral", vocab_size=32768, hidden_size=512, intermediate_size=1792,
+                    num_hidden_layers=5, num_attention_heads=16, num_key_value_heads=2, head_dim=48),
+    "mixtral": dict(model_type="mixtral", vocab_size=31999, hidden_size=256, intermediate_size=448,
+                    num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, num_local_experts=6,
+                    num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_hf_config_fit_matches_measure(tmp_path, record_error, name, checkpointing):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(HF_CONFIGS[name]))
+    request = make_request(model=str(path), gpu="a100-80gb", seq_len=1024)
+    check(record_error, request, str(path), f"hf {name} ckpt={checkpointing}", zero_stage=2, micro_batch=2,
+          checkpointing=checkpointing)
+
+
+def test_fit_peak_is_measured_peak_plus_stated_allowances():
+    spec = preset_spec("debug", "moe")
+    est = estimate_memory(TrainSetup(spec, 512, 2, 2, False, False, False))
+    allowance = est.parts["fragmentation"] + est.parts["cuda_context"]
+    assert est.peak_gpu_bytes == est.allocated_peak_bytes + allowance
