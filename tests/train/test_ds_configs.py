@@ -14,6 +14,7 @@ from adaptive.plan.emit import PRESET_DS_CONFIGS, preset_ds_configs
 from adaptive.train.entry import parse_args
 from adaptive.train.runplan import Device, World, file_pins, plan_run
 from tests.train._launch import REPO
+from tests._deepspeed_config import DataParallel, single_process_group  # noqa: F401 (fixture)
 
 FOLDER = REPO / "ds_configs"
 NAMES = ["zero0", "zero1", "zero2", "zero3", "zero2_offload_optimizer", "zero3_offload_optimizer",
@@ -38,32 +39,6 @@ def test_each_preset_says_what_its_name_says():
         assert cfg["bf16"]["enabled"] == cfg["fp16"]["enabled"] == "auto"
     assert json.loads((FOLDER / "zero3.json").read_text())["zero_optimization"][
         "stage3_gather_16bit_weights_on_model_save"] is True  # the HF export consolidates ZeRO-3 weights
-
-
-@pytest.fixture(scope="module")
-def single_process_group():
-    """DeepSpeedConfig asks torch.distributed for the world size before it consults `mpu`."""
-    import deepspeed
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{port}",
-                               rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-class DataParallel:
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.size
 
 
 @pytest.mark.parametrize("name", NAMES)
