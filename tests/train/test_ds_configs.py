@@ -5,7 +5,6 @@ two-process expert-parallel run in test_recipes.py.)"""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
