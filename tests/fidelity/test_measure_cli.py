@@ -68,8 +68,8 @@ def test_calibration_for_another_model_is_refused(tmp_path):
 def test_gpu_check_runs_on_the_cpu_in_dry_run(tmp_path):
     out = tmp_path / "table.md"
     r = subprocess.run([sys.executable, str(REPO_ROOT / "bench/gpu_check.py"), "--dry-run",
-                        "--only", "b1_dense,b1_hybrid", "--out", str(out)],
+                        "--only", "b1_hybrid", "--out", str(out)],
                        capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = out.read_text().splitlines()
-    assert sum(line.startswith("| b1 |") for line in rows) == 2
+    assert sum(line.startswith("| b1 | hybrid |") for line in rows) == 1  # MoE + MoD + dense layers

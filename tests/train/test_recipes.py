@@ -112,7 +112,8 @@ def debug_runs(tmp_path_factory):
     runs = {}
     for arch, (how, _, _) in LAUNCH_PATHS.items():
         out = tmp_path_factory.mktemp(f"debug_{arch}")
-        args = ["--max-steps", "40", "--output-dir", str(out), "--log-every", "5", "--no-progress"]
+        # seq 64 instead of the CPU default 128 halves the suite's time; the command is otherwise the user's
+        args = ["--max-steps", "40", "--seq-len", "64", "--output-dir", str(out), "--log-every", "5", "--no-progress"]
         launch_args = None
         if how == "accelerate flags":
             launch_args = ["--use_deepspeed", "--zero_stage", "3", "--num_processes", "1"]
@@ -161,7 +162,7 @@ def test_each_launch_path_is_honoured(debug_runs, arch):
 
 
 def test_router_metrics_match_the_architecture(debug_runs):
-    tokens_per_interval = 5 * 4 * 128  # log every 5 steps x micro-batch 4 x seq 128, one process
+    tokens_per_interval = 5 * 4 * 64  # log every 5 steps x micro-batch 4 x seq 64, one process
     moe = records(debug_runs["moe"][0], "train")[-1]
     assert len(moe["expert_counts"]) == 5 and all(len(layer) == 8 for layer in moe["expert_counts"])
     # top-2: every token is counted for two experts, in every MoE layer
