@@ -114,13 +114,13 @@ def train(state: TrainerState, loop: Loop) -> TrainerState:
             maybe_evaluate(state, control, loop, requests.evaluate)
             maybe_checkpoint(state, control, loop, requests.checkpoint or requests.stop)
             maybe_export(state, loop, requests.export)
-            if control.lr_scale is not None:
-                set_lr_scale(state, loop, control.lr_scale)
-                control.lr_scale = None
             if requests.rollback:
                 rollback(state, loop)
                 samples = SampleIterator(loop.data.train, state.samples_seen)
                 meter = IntervalMeter(loop.device)  # the rolled-back steps' partial interval is void
+            if control.lr_scale is not None:  # after a rollback, which restores the checkpoint's scale
+                set_lr_scale(state, loop, control.lr_scale)
+                control.lr_scale = None
             if requests.stop:
                 logger.info("stopping at step %d on request (checkpointed)", state.step)
                 break
@@ -175,6 +175,7 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
     control.skip_step = False
     log_step = _is_log_step(state.step + 1, loop)
     norm = None
+    state.last_skip = "discarded" if skip else None
     if skip:
         discard_gradients(engine, _probe(step_batch, loop.device))
         state.skipped_steps += 1
@@ -187,6 +188,7 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
             loop.callbacks.on_optimizer_step(state, control)
         else:  # DeepSpeed found an overflow (fp16 loss scaling) and skipped the update itself
             state.skipped_steps += 1
+            state.last_skip = "overflow"
     state.scheduler.step()
     _apply_lr_scale(state, loop)
     state.last_grad_norm = None if skip else (norm if norm is not None else _reported_norm(engine))
