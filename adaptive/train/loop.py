@@ -385,7 +385,7 @@ def set_lr_scale(state: TrainerState, loop: Loop, scale: float) -> None:
         raise AdaptiveError(f"lr_scale must be positive, got {scale}")
     logger.info("LR scale %.4g -> %.4g at step %d", state.lr_scale, scale, state.step)
     state.lr_scale = scale
-    _apply_lr_scale(state, loop)
+    _apply_lr_scale(state, loop, force=True)
 
 
 def rollback(state: TrainerState, loop: Loop) -> None:
@@ -421,7 +421,7 @@ def restore(state: TrainerState, loop: Loop, path: Path) -> None:
     state.last_checkpoint = Path(path)
     control = Control(change_knobs={k: getattr(knobs, k) for k in Knobs.RUNTIME})
     apply_knob_changes(state, control, loop)
-    _apply_lr_scale(state, loop)
+    _apply_lr_scale(state, loop, force=True)
 
 
 def write_run_files(state: TrainerState, loop: Loop) -> None:
@@ -490,9 +490,10 @@ def _local_grad_norm(engine: Any) -> float:
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
 
 
-def _apply_lr_scale(state: TrainerState, loop: Loop) -> None:
-    """The schedule sets each group's LR from its base every step; scale it after."""
-    if state.lr_scale == 1.0:
+def _apply_lr_scale(state: TrainerState, loop: Loop, force: bool = False) -> None:
+    """The schedule sets each group's LR from its base every step; scale it after. `force` rewrites the
+    LR in force even at scale 1 (a scale that goes back to 1 must undo the last scaled LR now)."""
+    if state.lr_scale == 1.0 and not force:
         return
     for group, lr in zip(loop.lr_scheduler.optimizer.param_groups, loop.lr_scheduler.get_last_lr()):
         group["lr"] = lr * state.lr_scale

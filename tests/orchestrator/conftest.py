@@ -19,3 +19,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def fault_runs(tmp_path_factory):
+    """The clean and the faulty debug-MoE runs (tests/orchestrator/_launch.py), shared by the fault and
+    report tests."""
+    from tests.orchestrator._launch import start_fault_runs
+
+    return start_fault_runs(tmp_path_factory.mktemp("fault_runs"))
