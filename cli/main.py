@@ -7,7 +7,7 @@ import sys
 import typer
 
 from adaptive.errors import AdaptiveError
-from cli import catalog, compare, fit, launch
+from cli import catalog, compare, fit, launch, report
 
 app = typer.Typer(
     name="adaptive",
@@ -20,6 +20,7 @@ app.command("fit")(fit.fit)
 app.command("models")(catalog.models)
 app.command("gpus")(catalog.gpus)
 app.command("compare")(compare.compare)
+app.command("report")(report.report)
 app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
     launch.launch
 )

@@ -103,7 +103,7 @@ class BalancePolicy(Callback):
         self.events.record(
             state.step, self.name, "bias_update", f"{self.updates} updates of u={self.config.rate:g} so far",
             signals={"max_vio": signals.max_vio, "dropped_fraction": signals.dropped_fraction,
-                     "expert_counts": signals.expert_counts},
+                     "dead_experts": signals.dead_experts, "router_entropy": signals.router_entropy},
             before={"bias_range": _ranges(self._reported)}, after={"bias_range": _ranges(rows)})
         self._reported = rows
 
@@ -118,7 +118,8 @@ class BalancePolicy(Callback):
 
 
 def _ranges(rows: list[list[float]] | None) -> list[list[float]] | None:
-    return [[min(r), max(r)] for r in rows] if rows else None
+    """[min, max] of each layer's bias, to 7 significant digits (the fp32 values print long)."""
+    return [[float(f"{min(r):.7g}"), float(f"{max(r):.7g}")] for r in rows] if rows else None
 
 
 __all__ = ["BalanceConfig", "BalancePolicy", "moe_gates"]

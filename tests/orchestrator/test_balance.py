@@ -98,7 +98,9 @@ def test_balancing_decisions_record_max_vio_and_the_bias_ranges(both):
     assert (last["policy"], last["action"]) == ("balance", "bias_update")
     assert last["signals"]["max_vio"] == monitor.latest.max_vio
     bias = [g.e_score_correction_bias.tolist() for g in model.moe_gates()]
-    assert last["after"]["bias_range"] == [[min(b), max(b)] for b in bias]
+    assert last["after"]["bias_range"] == [[pytest.approx(min(b), rel=1e-6), pytest.approx(max(b), rel=1e-6)]
+                                           for b in bias]
+    assert last["signals"]["router_entropy"] == monitor.latest.router_entropy
     assert decisions[0]["before"]["bias_range"] == [[0.0, 0.0], [0.0, 0.0]]
 
 
