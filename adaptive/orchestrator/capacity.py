@@ -99,6 +99,7 @@ class CapacityPolicy(Callback):
         self._high = 0
         self._low = 0
         self._capped_reported = False
+        self._planned: dict[tuple[Knobs, float], int] = {}
 
     def on_train_start(self, state: TrainerState, control: Control) -> None:
         self.gates = moe_gates(state.model)
@@ -151,7 +152,10 @@ class CapacityPolicy(Callback):
         if signals.memory_peak_bytes is not None:
             used, how = signals.memory_peak_bytes, "measured"
         else:
-            used, how = planned_peak_bytes(state.plan, state.knobs, self.factor), "planned"
+            key = (state.knobs, self.factor)
+            if key not in self._planned:  # the planner's arithmetic, once per knobs and factor
+                self._planned[key] = planned_peak_bytes(state.plan, state.knobs, self.factor)
+            used, how = self._planned[key], "planned"
         return used > self.config.tight_fraction * budget, {"memory_bytes": used, "memory_source": how,
                                                             "budget_bytes": budget}
 

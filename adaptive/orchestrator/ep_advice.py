@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ from adaptive.orchestrator.events import EventLog
 from adaptive.orchestrator.monitor import Monitor
 
 A2A_TIMERS = ("time_falltoall", "time_salltoall")
+SAMPLES = 20  # the recommendation uses the median share of the recent timed steps
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ class EPAdvicePolicy(Callback):
         self.monitor = monitor
         self.events = events
         self.layers: list[Any] = []
-        self.samples: list[dict[str, float]] = []
+        self.samples: deque[dict[str, float]] = deque(maxlen=SAMPLES)  # the recent timed steps
         self.recommendation: Recommendation | None = None
         self._sampling = False
         self._started = 0.0
@@ -174,7 +176,7 @@ class EPAdvicePolicy(Callback):
 
     def summary(self) -> dict[str, Any]:
         rec = self.recommendation
-        return {"a2a_share": self.a2a_share(), "samples": self.samples[-5:],
+        return {"a2a_share": self.a2a_share(), "samples": list(self.samples)[-5:],
                 "recommended_ep_size": rec.ep_size if rec else None, "reason": rec.reason if rec else None,
                 "command": rec.command if rec else None}
 

@@ -23,7 +23,7 @@ import json
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -47,14 +47,18 @@ def _clean(value: Any) -> Any:
     return value
 
 
+RECENT = 1000  # decisions kept in memory (the file has them all); the counts cover every one
+
+
 class EventLog:
-    """Collects decisions in memory (for the summary) and appends them to events.jsonl."""
+    """Counts decisions (for the summary), keeps the recent ones, appends all to events.jsonl."""
 
     def __init__(self) -> None:
         self.path: Path | None = None
         self.enabled = False
         self.main = True  # this process logs (the main process; every rank decides the same)
-        self.decisions: list[dict[str, Any]] = []
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=RECENT)
+        self._counts: dict[str, Counter] = {}
         self._opened = False
         self._pending: list[dict[str, Any]] = []
 
@@ -75,6 +79,7 @@ class EventLog:
         event = _clean({"kind": "decision", "step": step, "time": time.time(), "policy": policy, "action": action,
                         "reason": reason, "signals": signals or {}, "before": before or {}, "after": after or {}})
         self.decisions.append(event)
+        self._counts.setdefault(policy, Counter())[action] += 1
         self._write(event)
         if self.main and action != "bias_update":  # the routine balancing update is summarised, not logged per step
             logger.info("orchestrator %s at step %d: %s (%s) %s -> %s", policy, step, action, reason,
@@ -82,10 +87,7 @@ class EventLog:
         return event
 
     def counts(self) -> dict[str, dict[str, int]]:
-        by_policy: dict[str, Counter] = {}
-        for e in self.decisions:
-            by_policy.setdefault(e["policy"], Counter())[e["action"]] += 1
-        return {p: dict(c) for p, c in by_policy.items()}
+        return {p: dict(c) for p, c in self._counts.items()}
 
     def write_summary(self, step: int, policies: list[str], details: dict[str, Any]) -> dict[str, Any]:
         summary = _clean({"kind": "summary", "step": step, "time": time.time(), "policies": policies,

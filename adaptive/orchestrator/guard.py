@@ -73,7 +73,7 @@ class GuardPolicy(Callback):
                           f"{statistics.median(recent):.4g} of the last {len(recent)} summaries",
                           {"loss": signals.loss, "median": statistics.median(recent)})
             else:
-                self.losses.append(signals.loss)
+                self.losses = [*self.losses[-(cfg.history - 1):], signals.loss] if cfg.history > 1 else [signals.loss]
         self.bad = [s for s in self.bad if s > step - cfg.window]
         if len(self.bad) >= cfg.bad_steps:
             self._act(state, control)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,9 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if world_size() > 1:
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
     return tensor
+
+
+HISTORY = 100  # summaries kept in memory
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,8 @@ class Monitor(Callback):
     def __init__(self, config: MonitorConfig | None = None) -> None:
         self.config = config or MonitorConfig()
         self.latest: Signals | None = None
-        self.history: list[Signals] = []
+        self.first: Signals | None = None
+        self.history: deque[Signals] = deque(maxlen=HISTORY)  # the recent summaries
         self._layout: _Layout | None = None
         self._step: torch.Tensor | None = None  # this step's sums
         self._window: torch.Tensor | None = None  # the window's sums
@@ -192,6 +197,8 @@ class Monitor(Callback):
         if due:
             self.latest = self.summarise(state.step, metrics)
             self.history.append(self.latest)
+            if self.first is None:
+                self.first = self.latest
 
     # --- internals ------------------------------------------------------------------------
 
@@ -244,10 +251,10 @@ class Monitor(Callback):
                        memory_peak_bytes=memory.get("peak_allocated_bytes") if memory else None, **kwargs)
 
     def summary(self) -> dict[str, Any]:
-        if not self.history:
+        if self.latest is None:
             return {}
-        first, last = self.history[0], self.history[-1]
-        return {"summaries": len(self.history), "first": {"step": first.step, **first.brief()},
+        first, last = self.first, self.latest
+        return {"first": {"step": first.step, **first.brief()},
                 "last": {"step": last.step, **last.brief()}}
 
 
