@@ -60,14 +60,14 @@ class BalancePolicy(Callback):
         self.masters: list[torch.Tensor] | None = None  # fp32 copies when the buffers are 16-bit
         self.updates = 0
         self._last_step = -1
-        self._reported: list[list[float]] | None = None
+        self._reported: list[torch.Tensor] = []  # device copies of the biases at the last report (no sync)
 
     def on_train_start(self, state: TrainerState, control: Control) -> None:
         self.gates = moe_gates(state.model)
         self.biases = [g.e_score_correction_bias for g in self.gates]
         self._sync_masters()
         self._last_step = state.step
-        self._reported = self._bias_rows()
+        self._reported = self._bias_copies()
 
     def _sync_masters(self) -> None:
         low = any(b.dtype != torch.float32 for b in self.biases)
@@ -99,17 +99,22 @@ class BalancePolicy(Callback):
         signals = self.monitor.fresh(state)
         if signals is None or not self.biases:
             return
-        rows = self._bias_rows()
+        before = [b.tolist() for b in self._reported]  # read on the summary step, when the monitor reads too
+        self._reported = self._bias_copies()
         self.events.record(
             state.step, self.name, "bias_update", f"{self.updates} updates of u={self.config.rate:g} so far",
             signals={"max_vio": signals.max_vio, "dropped_fraction": signals.dropped_fraction,
                      "dead_experts": signals.dead_experts, "router_entropy": signals.router_entropy},
-            before={"bias_range": _ranges(self._reported)}, after={"bias_range": _ranges(rows)})
-        self._reported = rows
+            before={"bias_range": _ranges(before)}, after={"bias_range": _ranges(self._bias_rows())})
+
+    def _source(self) -> list[torch.Tensor]:
+        return self.masters if self.masters is not None else self.biases
+
+    def _bias_copies(self) -> list[torch.Tensor]:
+        return [b.detach().clone() for b in self._source()]
 
     def _bias_rows(self) -> list[list[float]]:
-        source = self.masters if self.masters is not None else self.biases
-        return [b.tolist() for b in source]
+        return [b.tolist() for b in self._source()]
 
     def summary(self) -> dict[str, Any]:
         rows = self._bias_rows() if self.biases else []

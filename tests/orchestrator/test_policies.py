@@ -166,3 +166,37 @@ def test_policies_are_chosen_and_configured_by_flags():
         orchestrator_config(None, '{"balance": {"u": 0.1}}')
     with pytest.raises(AdaptiveError, match="neither a JSON object nor a file"):
         orchestrator_config(None, "nowhere.json")
+
+
+def test_no_host_sync_between_log_steps():
+    """Every policy runs on meta tensors (a tensor that has no values): any read to the host (.item(),
+    .tolist(), bool()) would raise. Between log steps nothing reads; the log step's one summary does."""
+    from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
+
+    with torch.device("meta"):
+        model = AdaptiveForCausalLM(AdaptiveConfig.from_preset("debug", arch="hybrid"))
+    gates = model.moe_gates()
+    outputs = SimpleNamespace(router_stats=SimpleNamespace(
+        expert_counts=torch.zeros(len(gates), 8, dtype=torch.long, device="meta"),
+        dropped_fraction=torch.zeros(len(gates), device="meta"), mod_skip_rate=torch.zeros(2, device="meta"),
+        mod_router_agreement=torch.zeros(2, device="meta")))
+    chain = policies()
+    from adaptive.orchestrator.callbacks import CallbackList
+
+    callbacks = CallbackList(chain)
+    state = TrainerState(max_steps=100, knobs=knobs(), output_dir=None, model=model)
+    control = Control()
+    callbacks.on_train_start(state, control)
+    for step in range(1, 4):
+        callbacks.on_step_start(state, control)
+        for _ in range(2):
+            callbacks.on_backward_end(state, control, outputs=outputs, loss=torch.zeros((), device="meta"), batch={})
+        callbacks.on_optimizer_step(state, control)
+        state.step = step
+        callbacks.on_step_end(state, control, metrics=None)
+    assert chain[1].updates == 3, "the balancing update ran every step, on the device"
+    callbacks.on_step_start(state, control)
+    callbacks.on_backward_end(state, control, outputs=outputs, loss=torch.zeros((), device="meta"), batch={})
+    state.step = 4
+    with pytest.raises(Exception, match="meta"):  # the log step's summary reads the window once
+        callbacks.on_step_end(state, control, metrics={})
