@@ -23,6 +23,7 @@ Prints, per sequence length:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -46,6 +47,12 @@ from adaptive.orchestrator.callbacks import CallbackList, Control, TrainerState 
 
 
 def rss_bytes() -> int:
+    """VmRSS after a garbage collection and glibc's malloc_trim (freed heap returned to the OS: less noise)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
@@ -170,7 +177,8 @@ def measure(seq_len: int, steps: int, warmup: int, memory_steps: int = 40) -> di
                 "ratio": med_on / med_off, "callback_ms_per_step": 1e3 * on.seconds / steps,
                 "callback_fraction": on.seconds / steps / med_off, "rss_delta_mb": (rss_after - rss_before) / 2**20,
                 "rss_drift_off_mb": (rss_before - rss_start) / 2**20,
-                "heap_delta_kb": (heap_after - heap_before) / 1024, "heap_drift_off_kb": (heap_before - heap_start) / 1024,
+                "heap_delta_kb": (heap_after - heap_before) / 1024,
+                "heap_drift_off_kb": (heap_before - heap_start) / 1024,
                 "tensor_bytes": policy_tensor_bytes(chain), "decisions": len(chain[-1].events.decisions)}
 
 
@@ -206,7 +214,8 @@ def main() -> None:
             raise SystemExit(f"seq {seq} failed:\n{done.stderr[-3000:]}")
         r = json.loads(lines[-1][len("RESULT "):])
         print(f"| {seq} | {r['median_off_ms']:.1f} | {r['median_on_ms']:.1f} | {r['ratio']:.4f} | "
-              f"{r['callback_ms_per_step']:.3f} | {100 * r['callback_fraction']:.2f}% | {r['rss_delta_mb']:.1f} MB ({r['rss_drift_off_mb']:.1f} MB) | "
+              f"{r['callback_ms_per_step']:.3f} | {100 * r['callback_fraction']:.2f}% | "
+              f"{r['rss_delta_mb']:.1f} MB ({r['rss_drift_off_mb']:.1f} MB) | "
               f"{r['heap_delta_kb']:.0f} KiB ({r['heap_drift_off_kb']:.0f} KiB) | "
               f"{r['tensor_bytes']} B |", flush=True)
 

@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 RunDir = Annotated[Path, typer.Argument(help="A run's --output-dir (holds metrics.jsonl, events.jsonl).")]
-Out = Annotated[Optional[Path], typer.Option("--out", "-o", help="Where to write the PNG (default RUN_DIR/report.png).")]
+Out = Annotated[Optional[Path], typer.Option("--out", "-o",
+                                             help="Where to write the PNG (default RUN_DIR/report.png).")]
 
 
 def report(run_dir: RunDir, out: Out = None) -> None:
@@ -36,7 +37,8 @@ def report(run_dir: RunDir, out: Out = None) -> None:
     table.add_row("loss", f"{num(s['loss_first'])} -> {num(s['loss_last'])} (ppl {num(s['ppl_last'], '{:.2f}')})")
     table.add_row("eval loss", num(s["eval_loss"]))
     if s["max_vio_last"] is not None:
-        table.add_row("MaxVio (worst layer)", f"{num(s['max_vio_first'], '{:.3f}')} -> {num(s['max_vio_last'], '{:.3f}')}")
+        table.add_row("MaxVio (worst layer)",
+                      f"{num(s['max_vio_first'], '{:.3f}')} -> {num(s['max_vio_last'], '{:.3f}')}")
         table.add_row("dropped fraction", num(s["dropped_last"], "{:.4f}"))
     if s["mod_skip_last"] is not None:
         table.add_row("MoD skip rate", num(s["mod_skip_last"], "{:.3f}"))

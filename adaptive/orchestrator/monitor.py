@@ -21,7 +21,8 @@ all-reduce) and read to the host once, giving `Signals`:
     loss             mean finite micro-batch loss in the window (None if none was finite)
     non_finite       micro-batches whose loss was not finite
     step_seconds     mean wall time per step on this rank (host clock, no device sync)
-    memory_peak_bytes  the loop's CUDA peak for the interval when it reported one, else None
+    memory_peak_bytes  the loop's CUDA peak for the interval when it reported one (the largest over
+                     ranks), else None
 
 `step_counts` (the current step's [layer, expert] counts, on the device) is what the balancing
 policy updates its biases from after each optimizer step.
@@ -244,11 +245,22 @@ class Monitor(Callback):
         if lay.mod_layers:
             kwargs.update(mod_skip_rate=[s / micro for s in part("skip")] if micro else None,
                           mod_router_agreement=[a / micro for a in part("agree")] if micro else None)
-        memory = (metrics or {}).get("memory") or None
         return Signals(step=step, steps=steps, micro_batches=int(micro),
                        loss=part("loss")[0] / finite if finite else None, non_finite=int(micro - finite),
                        step_seconds=seconds / steps if steps else None,
-                       memory_peak_bytes=memory.get("peak_allocated_bytes") if memory else None, **kwargs)
+                       memory_peak_bytes=self._memory_peak(metrics), **kwargs)
+
+    def _memory_peak(self, metrics: dict[str, Any] | None) -> int | None:
+        """The loop's CUDA peak of this interval, the largest over ranks (so every rank decides alike)."""
+        memory = (metrics or {}).get("memory") or None
+        if not memory:
+            return None
+        peak = memory.get("peak_allocated_bytes")
+        if world_size() > 1:
+            value = torch.tensor([float(peak)], dtype=torch.float64, device=self._window.device)
+            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+            peak = int(value.item())
+        return peak
 
     def summary(self) -> dict[str, Any]:
         if self.latest is None:

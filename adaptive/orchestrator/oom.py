@@ -47,8 +47,8 @@ def next_rung(knobs: Knobs, config: OOMConfig) -> tuple[str, dict[str, Any]] | N
     micro = knobs.micro_batch_size
     if micro > 1:
         smaller = max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
-        return "halve_micro_batch", {"micro_batch_size": smaller,
-                                     "gradient_accumulation_steps": knobs.gradient_accumulation_steps * (micro // smaller)}
+        accum = knobs.gradient_accumulation_steps * (micro // smaller)
+        return "halve_micro_batch", {"micro_batch_size": smaller, "gradient_accumulation_steps": accum}
     if config.checkpointing and not knobs.gradient_checkpointing:
         return "enable_checkpointing", {"gradient_checkpointing": True}
     return None

@@ -267,5 +267,5 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> tuple[Pa
     return target, run_summary(run), figure
 
 
-__all__ = ["FIGSIZE", "DPI", "LINE_POLICIES", "REPORT_FILE", "RunData", "build_figure", "heatmap_layers", "load_run", "load_shares",
-           "run_summary", "write_report"]
+__all__ = ["FIGSIZE", "DPI", "LINE_POLICIES", "REPORT_FILE", "RunData", "build_figure", "heatmap_layers", "load_run",
+           "load_shares", "run_summary", "write_report"]

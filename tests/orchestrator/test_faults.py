@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -73,9 +72,11 @@ def test_the_second_oom_turns_on_checkpointing_and_the_plan_files_record_the_kno
     assert decisions[1]["after"]["gradient_checkpointing"] is True
     plan = json.loads((out / "plan.json").read_text())
     ds = json.loads((out / "ds_config.json").read_text())
-    assert (plan["micro_batch_size"], plan["gradient_accumulation_steps"], plan["gradient_checkpointing"]) == (1, 4, True)
+    assert (plan["micro_batch_size"], plan["gradient_accumulation_steps"], plan["gradient_checkpointing"]) == \
+        (1, 4, True)
     assert plan["run"]["knobs"]["gradient_checkpointing"] is True
-    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (1, 4, 4)
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == \
+        (1, 4, 4)
     # a checkpoint right after each change, so --resume starts from the working knobs
     checkpoints = [e["step"] for e in recorded_events(out) if e["event"] == "on_checkpoint"]
     assert checkpoints[:3] == [5, 7, 10]

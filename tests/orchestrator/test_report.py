@@ -106,3 +106,16 @@ def test_a_folder_without_a_run_is_one_line_and_exit_2(tmp_path, capsys):
     assert "has no metrics.jsonl" in err and err.count("\n") == 1
     assert cli(["report", str(tmp_path / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_report_command_imports_no_torch(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.train._launch import launch_env
+
+    code = ("import sys, cli.main, adaptive.orchestrator.report; "
+            "print([m for m in ('torch', 'deepspeed', 'transformers', 'matplotlib') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], env=launch_env(tmp_path), capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.strip() == "[]", done.stderr
