@@ -21,6 +21,7 @@ all-reduce) and read to the host once, giving `Signals`:
     loss             mean finite micro-batch loss in the window (None if none was finite)
     non_finite       micro-batches whose loss was not finite
     step_seconds     mean wall time per step on this rank (host clock, no device sync)
+    grad_norm        the last step's gradient norm as the loop computed it (log steps), or None
     memory_peak_bytes  the loop's CUDA peak for the interval when it reported one (the largest over
                      ranks), else None
 
@@ -77,6 +78,7 @@ class Signals:
     non_finite: int = 0
     step_seconds: float | None = None
     memory_peak_bytes: int | None = None
+    grad_norm: float | None = None
 
     @property
     def max_vio_max(self) -> float | None:
@@ -99,6 +101,8 @@ class Signals:
             out["mod_skip_rate_mean"] = sum(self.mod_skip_rate) / len(self.mod_skip_rate)
         if self.memory_peak_bytes is not None:
             out["memory_peak_bytes"] = self.memory_peak_bytes
+        if self.grad_norm is not None:
+            out["grad_norm"] = self.grad_norm
         return out
 
 
@@ -196,7 +200,7 @@ class Monitor(Callback):
         every = self.config.every
         due = metrics is not None if every <= 0 else state.step % every == 0
         if due:
-            self.latest = self.summarise(state.step, metrics)
+            self.latest = self.summarise(state.step, metrics, state.last_grad_norm)
             self.history.append(self.latest)
             if self.first is None:
                 self.first = self.latest
@@ -219,7 +223,7 @@ class Monitor(Callback):
         if not layers:
             self._views.pop("dropped", None)
 
-    def summarise(self, step: int, metrics: dict[str, Any] | None = None) -> Signals:
+    def summarise(self, step: int, metrics: dict[str, Any] | None = None, grad_norm: float | None = None) -> Signals:
         """Sum the window over ranks (one all-reduce), read it once, start a new window."""
         packed = all_reduce_sum(self._window.clone())
         values = packed.tolist()
@@ -248,7 +252,7 @@ class Monitor(Callback):
         return Signals(step=step, steps=steps, micro_batches=int(micro),
                        loss=part("loss")[0] / finite if finite else None, non_finite=int(micro - finite),
                        step_seconds=seconds / steps if steps else None,
-                       memory_peak_bytes=self._memory_peak(metrics), **kwargs)
+                       memory_peak_bytes=self._memory_peak(metrics), grad_norm=grad_norm, **kwargs)
 
     def _memory_peak(self, metrics: dict[str, Any] | None) -> int | None:
         """The loop's CUDA peak of this interval, the largest over ranks (so every rank decides alike)."""
