@@ -65,6 +65,9 @@ class BalancePolicy(Callback):
     def on_train_start(self, state: TrainerState, control: Control) -> None:
         self.gates = moe_gates(state.model)
         self.biases = [g.e_score_correction_bias for g in self.gates]
+        if world_size() > 1:  # start from rank 0's biases; identical updates keep them equal from then on
+            for bias in self.biases:
+                torch.distributed.broadcast(bias, src=0)
         self._sync_masters()
         self._last_step = state.step
         self._reported = self._bias_copies()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ def trained(tmp_path_factory):
 
     from adaptive.orchestrator.trainer import OrchestratorCallback
 
+    environ = dict(os.environ)  # accelerate's state (the Trainer's) sets OMP_NUM_THREADS and friends
     out = tmp_path_factory.mktemp("trainer")
     model = skewed_moe()
     rows = fixed_data(1, batches=4).reshape(-1, 32)  # 32 sequences of 32 tokens
@@ -52,6 +54,8 @@ def trained(tmp_path_factory):
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)  # later in-process tests build their own
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 def test_every_micro_batch_reaches_the_monitor_once(trained):
