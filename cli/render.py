@@ -133,7 +133,7 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
     console.print(lad)
 
     o = p.orchestrator
-    console.print(f"Orchestrator: {'[green]on[/green]' if o.recommended else 'off'} ({o.reason})")
+    console.print(f"Orchestrator: {'[green]on[/green]' if o.recommended else 'off'} ({o.reason}); {o.overhead}")
     if p.suggestions:
         console.print("[bold]What would fit:[/bold]")
         for sug in p.suggestions:

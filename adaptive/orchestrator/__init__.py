@@ -1,18 +1,144 @@
 """Runtime adaptation: small callbacks the training loop calls (`adaptive.orchestrator.callbacks`).
 
-This package holds the callback API only; policies (expert balancing, OOM ladder, NaN guard, ...)
-plug in as `Callback` subclasses. `policies()` is the seam the recipes' entry point calls when the
-orchestrator is on; it returns no policy yet.
+`policies(config)` builds the orchestrator the recipes' entry point adds to the loop when
+`--orchestrator` is on (or auto and the plan recommends it), in this order:
+
+    Monitor        monitor.py    router/loss signals on the device, summarised every N steps
+    balance        balance.py    aux-loss-free expert balancing (selection bias, all ranks identical)
+    capacity       capacity.py   capacity factor follows the dropped fraction, within the memory bound
+    oom            oom.py        the OOM ladder: halve micro-batch, then checkpointing, then a restart
+                                 with a shorter sequence
+    guard          guard.py      NaN / loss-spike guard: skip, roll back, cool the LR
+    ep             ep_advice.py  measured all-to-all share -> ep_size for the next launch
+    EventSummary   events.py     events.jsonl and its end summary
+
+Each policy has its own frozen config and can be left out (`--orchestrator-policies`); configs are
+set with `--orchestrator-config` (JSON: {"guard": {"bad_steps": 3}, "balance": {"rate": 0.001}}).
+`trainer.OrchestratorCallback` attaches the same list to a transformers `Trainer`.
+
+This package imports nothing heavy at import time (the CLI's `adaptive report` reads it).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from adaptive.errors import AdaptiveError
 from adaptive.orchestrator.callbacks import Callback, CallbackList, Control, Knobs, TrainerState
 
-
-def policies() -> list[Callback]:
-    """The orchestrator's policies, in the order they run. None are implemented yet."""
-    return []
+POLICY_NAMES = ("balance", "capacity", "oom", "guard", "ep")
 
 
-__all__ = ["Callback", "CallbackList", "Control", "Knobs", "TrainerState", "policies"]
+def _configs() -> dict[str, type]:
+    from adaptive.orchestrator.balance import BalanceConfig
+    from adaptive.orchestrator.capacity import CapacityConfig
+    from adaptive.orchestrator.ep_advice import EPAdviceConfig
+    from adaptive.orchestrator.guard import GuardConfig
+    from adaptive.orchestrator.monitor import MonitorConfig
+    from adaptive.orchestrator.oom import OOMConfig
+
+    return {"monitor": MonitorConfig, "balance": BalanceConfig, "capacity": CapacityConfig, "oom": OOMConfig,
+            "guard": GuardConfig, "ep": EPAdviceConfig}
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """Which policies run, and each one's settings (None: its defaults)."""
+
+    policies: tuple[str, ...] = POLICY_NAMES
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def config_for(self, name: str) -> Any:
+        cls = _configs()[name]
+        return cls(**self.settings.get(name, {}))
+
+
+def _closest(value: str, choices: tuple[str, ...] | list[str]) -> str:
+    close = difflib.get_close_matches(value, list(choices), n=1)
+    return f"; did you mean {close[0]}?" if close else f"; choose from {', '.join(choices)}"
+
+
+def parse_policies(text: str | None) -> tuple[str, ...]:
+    """'balance,oom' -> ('balance', 'oom'); 'all' or None -> every policy; 'none' -> none."""
+    if text is None or text.strip() == "all":
+        return POLICY_NAMES
+    if text.strip() == "none":
+        return ()
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    for name in names:
+        if name not in POLICY_NAMES:
+            raise AdaptiveError(f"unknown orchestrator policy {name!r}{_closest(name, POLICY_NAMES)}")
+    return tuple(n for n in POLICY_NAMES if n in names)
+
+
+def parse_settings(text: str | None) -> dict[str, dict[str, Any]]:
+    """Inline JSON or a JSON file: {policy: {field: value}}; unknown names and fields are refused."""
+    if not text:
+        return {}
+    source = text
+    if not text.lstrip().startswith("{"):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise AdaptiveError(f"--orchestrator-config {text!r} is neither a JSON object nor a file")
+        source = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(source)
+    except json.JSONDecodeError as err:
+        raise AdaptiveError(f"--orchestrator-config is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise AdaptiveError("--orchestrator-config must be a JSON object {policy: {field: value}}")
+    configs = _configs()
+    out: dict[str, dict[str, Any]] = {}
+    for name, values in data.items():
+        if name not in configs:
+            raise AdaptiveError(f"unknown orchestrator config section {name!r}{_closest(name, tuple(configs))}")
+        if not isinstance(values, dict):
+            raise AdaptiveError(f"orchestrator config section {name!r} must be an object of fields")
+        fields = {f.name for f in dataclasses.fields(configs[name])}
+        for key in values:
+            if key not in fields:
+                raise AdaptiveError(f"unknown {name} setting {key!r}{_closest(key, sorted(fields))}")
+        try:
+            configs[name](**values)
+        except TypeError as err:
+            raise AdaptiveError(f"orchestrator config {name}: {err}") from None
+        out[name] = dict(values)
+    return out
+
+
+def orchestrator_config(policies_flag: str | None = None, config_flag: str | None = None) -> OrchestratorConfig:
+    """The config from the recipe flags --orchestrator-policies and --orchestrator-config."""
+    return OrchestratorConfig(policies=parse_policies(policies_flag), settings=parse_settings(config_flag))
+
+
+def policies(config: OrchestratorConfig | None = None) -> list[Callback]:
+    """The orchestrator's callbacks, in the order they run (monitor first, the event summary last)."""
+    from adaptive.orchestrator.balance import BalancePolicy
+    from adaptive.orchestrator.capacity import CapacityPolicy
+    from adaptive.orchestrator.ep_advice import EPAdvicePolicy
+    from adaptive.orchestrator.events import EventLog, EventSummary
+    from adaptive.orchestrator.guard import GuardPolicy
+    from adaptive.orchestrator.monitor import Monitor
+    from adaptive.orchestrator.oom import OOMPolicy
+
+    config = config or OrchestratorConfig()
+    events = EventLog()
+    monitor = Monitor(config.config_for("monitor"))
+    build = {
+        "balance": lambda: BalancePolicy(monitor, events, config.config_for("balance")),
+        "capacity": lambda: CapacityPolicy(monitor, events, config.config_for("capacity")),
+        "oom": lambda: OOMPolicy(events, config.config_for("oom")),
+        "guard": lambda: GuardPolicy(monitor, events, config.config_for("guard")),
+        "ep": lambda: EPAdvicePolicy(monitor, events, config.config_for("ep")),
+    }
+    chosen: list[Callback] = [monitor, *(build[name]() for name in POLICY_NAMES if name in config.policies)]
+    return [*chosen, EventSummary(events, chosen)]
+
+
+__all__ = ["Callback", "CallbackList", "Control", "Knobs", "OrchestratorConfig", "POLICY_NAMES", "TrainerState",
+           "orchestrator_config", "parse_policies", "parse_settings", "policies"]

@@ -25,12 +25,14 @@ Requests are honoured at fixed points:
     skip_step               after the step's last micro-batch: the step's gradients are discarded
                             (its samples stay consumed, the step counts, the LR schedule advances);
                             the loop also skips any step whose loss is not finite
+                            (`state.last_skip` then says "discarded")
     retry_step              in on_oom only: redo the step in progress (see above)
     change_knobs            before the next step, or before the retry; runtime knobs only
                             (`Knobs.RUNTIME`); the loop writes the knobs in force back to the run's
                             plan.json and ds_config.json
-    lr_scale                after on_step_end: the scheduled LR times this factor, from then on
     rollback_to_checkpoint  after on_step_end: reload the newest complete checkpoint and continue
+    lr_scale                after on_step_end (and after a rollback the same step asked for): the
+                            scheduled LR times this factor, from then on
     should_evaluate / should_checkpoint / should_export / should_stop   after on_step_end
 
 Under several processes every rank runs its callbacks; the loop combines the flags of all ranks
@@ -107,6 +109,8 @@ class TrainerState:
     tokens_seen: int = 0  # global tokens consumed by those steps
     samples_seen: int = 0  # this rank's data position (SampleIterator.position)
     skipped_steps: int = 0
+    last_skip: str | None = None  # why the last step's update was not applied: "discarded" (a non-finite
+    # loss or a callback's skip_step), "overflow" (DeepSpeed's fp16 loss scaler); None when it was applied
     lr_scale: float = 1.0
     last_grad_norm: float | None = None  # of the last applied step, when it was computed (log steps)
     # inside the current step

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from adaptive.plan import memory as mem
+from adaptive.plan.advice import OVERHEAD_SOURCE
 from adaptive.plan.gpus import GPU
 from adaptive.plan.memory import TrainSetup, reduce_bucket_elements
 from adaptive.plan.params import count_params
@@ -193,7 +194,10 @@ def plan_dict(plan: Plan) -> dict:
         "cost_per_1b_tokens_usd": plan.cost / plan.train_tokens * 1e9,
         "ladder": [{"change": s.change, "peak_gpu_bytes": s.peak_gpu_bytes, "fits": s.fits, "fits_gpu": s.fits_gpu}
                    for s in plan.ladder],
-        "orchestrator": {"recommended": plan.orchestrator.recommended, "reason": plan.orchestrator.reason},
+        "orchestrator": {"recommended": plan.orchestrator.recommended, "reason": plan.orchestrator.reason,
+                         "measured_overhead": {"time_fraction": plan.orchestrator.overhead_time_fraction,
+                                               "memory_bytes": plan.orchestrator.overhead_memory_bytes,
+                                               "source": OVERHEAD_SOURCE}},
         "suggestions": list(plan.suggestions),
         "assumptions": assumptions(plan),
     }

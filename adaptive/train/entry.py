@@ -45,6 +45,8 @@ class RunArgs:
     resume: str | None = None
     ds_config: str | None = None
     orchestrator: str = "auto"
+    orchestrator_policies: str | None = None
+    orchestrator_config: str | None = None
     micro_batch: int | None = None
     grad_accum: int | None = None
     zero: int | None = None
@@ -101,6 +103,12 @@ def build_parser(preset: str, arch: str) -> argparse.ArgumentParser:
                        "values are filled from the plan")
     where.add_argument("--orchestrator", choices=("on", "off", "auto"), default="auto",
                        help="adaptive orchestrator: auto follows the plan's recommendation (default auto)")
+    where.add_argument("--orchestrator-policies", metavar="LIST",
+                       help="comma-separated policies the orchestrator runs: balance, capacity, oom, guard, ep; "
+                       "'all' (default) or 'none' (monitor and event log only)")
+    where.add_argument("--orchestrator-config", metavar="JSON",
+                       help="policy settings as a JSON object or file, e.g. '{\"balance\": {\"rate\": 0.001}, "
+                       "\"guard\": {\"bad_steps\": 3}}' (fields: adaptive/orchestrator/*.py configs)")
     where.add_argument("--dry-run", action="store_true", help="plan and print the run as JSON; do not train")
     data = p.add_argument_group("data")
     data.add_argument("--dataset", help="'c4', a hub dataset, a local .txt/.jsonl/.json/.parquet file or folder, or "
@@ -172,8 +180,16 @@ def dry_run(args: RunArgs) -> dict[str, Any]:
     world = World(per_node * (args.nodes or launched.nodes), per_node)
     device = detect_device(args.gpu, assume_gpu=True)
     plan = plan_run(args, world, device)
+    orchestrator = _orchestrator_config(args)
     return {"run": plan.summary(), "plan": plan_dict(plan.plan), "ds_config": plan.ds_config,
+            "orchestrator": {"policies": list(orchestrator.policies), "settings": orchestrator.settings},
             "args": asdict(args)}
+
+
+def _orchestrator_config(args: RunArgs):
+    from adaptive.orchestrator import orchestrator_config
+
+    return orchestrator_config(args.orchestrator_policies, args.orchestrator_config)
 
 
 def run(args: RunArgs, callbacks: list[Callback] | None = None) -> TrainerState:
@@ -190,6 +206,7 @@ def run(args: RunArgs, callbacks: list[Callback] | None = None) -> TrainerState:
     from adaptive.train.metrics import MetricsWriter
     from adaptive.train.runplan import World, detect_device, launcher_world, plan_run
 
+    orchestrator = _orchestrator_config(args)  # bad flags fail before anything starts
     partial = setup.init_distributed()
     main_process = partial.is_main_process
     configure_logging(main_process)
@@ -218,7 +235,7 @@ def run(args: RunArgs, callbacks: list[Callback] | None = None) -> TrainerState:
     state = TrainerState(max_steps=plan.max_steps, knobs=plan.knobs, output_dir=output_dir, plan=plan.plan,
                          orchestrator=plan.orchestrator, accelerator=accelerator, model=engine, optimizer=optimizer,
                          scheduler=scheduler, world_size=world.size)
-    chain = CallbackList([*(callbacks or []), *(policies() if plan.orchestrator else [])])
+    chain = CallbackList([*(callbacks or []), *(policies(orchestrator) if plan.orchestrator else [])])
     settings = LoopSettings(log_every=args.log_every, eval_every=args.eval_every,
                             checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                             export_every=args.export_every, progress=args.progress)

@@ -114,13 +114,13 @@ def train(state: TrainerState, loop: Loop) -> TrainerState:
             maybe_evaluate(state, control, loop, requests.evaluate)
             maybe_checkpoint(state, control, loop, requests.checkpoint or requests.stop)
             maybe_export(state, loop, requests.export)
-            if control.lr_scale is not None:
-                set_lr_scale(state, loop, control.lr_scale)
-                control.lr_scale = None
             if requests.rollback:
                 rollback(state, loop)
                 samples = SampleIterator(loop.data.train, state.samples_seen)
                 meter = IntervalMeter(loop.device)  # the rolled-back steps' partial interval is void
+            if control.lr_scale is not None:  # after a rollback, which restores the checkpoint's scale
+                set_lr_scale(state, loop, control.lr_scale)
+                control.lr_scale = None
             if requests.stop:
                 logger.info("stopping at step %d on request (checkpointed)", state.step)
                 break
@@ -175,6 +175,7 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
     control.skip_step = False
     log_step = _is_log_step(state.step + 1, loop)
     norm = None
+    state.last_skip = "discarded" if skip else None
     if skip:
         discard_gradients(engine, _probe(step_batch, loop.device))
         state.skipped_steps += 1
@@ -187,6 +188,7 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
             loop.callbacks.on_optimizer_step(state, control)
         else:  # DeepSpeed found an overflow (fp16 loss scaling) and skipped the update itself
             state.skipped_steps += 1
+            state.last_skip = "overflow"
     state.scheduler.step()
     _apply_lr_scale(state, loop)
     state.last_grad_norm = None if skip else (norm if norm is not None else _reported_norm(engine))
@@ -383,7 +385,7 @@ def set_lr_scale(state: TrainerState, loop: Loop, scale: float) -> None:
         raise AdaptiveError(f"lr_scale must be positive, got {scale}")
     logger.info("LR scale %.4g -> %.4g at step %d", state.lr_scale, scale, state.step)
     state.lr_scale = scale
-    _apply_lr_scale(state, loop)
+    _apply_lr_scale(state, loop, force=True)
 
 
 def rollback(state: TrainerState, loop: Loop) -> None:
@@ -419,7 +421,7 @@ def restore(state: TrainerState, loop: Loop, path: Path) -> None:
     state.last_checkpoint = Path(path)
     control = Control(change_knobs={k: getattr(knobs, k) for k in Knobs.RUNTIME})
     apply_knob_changes(state, control, loop)
-    _apply_lr_scale(state, loop)
+    _apply_lr_scale(state, loop, force=True)
 
 
 def write_run_files(state: TrainerState, loop: Loop) -> None:
@@ -488,9 +490,10 @@ def _local_grad_norm(engine: Any) -> float:
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
 
 
-def _apply_lr_scale(state: TrainerState, loop: Loop) -> None:
-    """The schedule sets each group's LR from its base every step; scale it after."""
-    if state.lr_scale == 1.0:
+def _apply_lr_scale(state: TrainerState, loop: Loop, force: bool = False) -> None:
+    """The schedule sets each group's LR from its base every step; scale it after. `force` rewrites the
+    LR in force even at scale 1 (a scale that goes back to 1 must undo the last scaled LR now)."""
+    if state.lr_scale == 1.0 and not force:
         return
     for group, lr in zip(loop.lr_scheduler.optimizer.param_groups, loop.lr_scheduler.get_last_lr()):
         group["lr"] = lr * state.lr_scale

@@ -44,7 +44,10 @@ def test_fit_json_has_the_documented_schema_and_consistent_numbers():
     assert d["params_total"] == count_params(preset_spec("b1")).total
     assert d["cost_usd"] == pytest.approx(d["train_hours"] * 1.79)
     assert all({"change", "peak_gpu_bytes", "fits"} <= set(step) for step in d["ladder"])
-    assert set(d["orchestrator"]) == {"recommended", "reason"}
+    assert set(d["orchestrator"]) == {"recommended", "reason", "measured_overhead"}
+    overhead = d["orchestrator"]["measured_overhead"]
+    assert 0 < overhead["time_fraction"] < 0.01 and 0 < overhead["memory_bytes"] < 50 * 2**20
+    assert "bench_orchestrator.py" in overhead["source"]
 
 
 def test_fit_exit_code_is_1_when_nothing_fits_and_says_what_would():
@@ -56,7 +59,8 @@ def test_fit_exit_code_is_1_when_nothing_fits_and_says_what_would():
 def test_fit_human_output_shows_plan_breakdown_ladder_cost_and_orchestrator():
     r = adaptive("fit", "--model", "b7", "--gpu", "h100", "--gpus", "8")
     assert r.returncode == 0, r.stderr
-    for text in ("FITS", "ZeRO stage", "activations", "optimizer states", "OOM playbook", "cost", "Orchestrator"):
+    for text in ("FITS", "ZeRO stage", "activations", "optimizer states", "OOM playbook", "cost", "Orchestrator",
+                 "measured overhead +"):
         assert text in r.stdout
 
 

@@ -1,0 +1,133 @@
+"""Aux-loss-free expert balancing (DeepSeek-V3), on the native and the DeepSpeed MoE alike.
+
+Every MoE gate has a bias `e_score_correction_bias` [E] that is added to the softmax scores for
+top-k *selection only* (combine weights and l_aux use the unbiased scores; see
+`adaptive.models.moe.route`). DeepSpeed's own `TopKGate` has no such bias; our `DeepSpeedGate`
+routes with the same `route()`, so the bias works on `deepspeed.moe.layer.MoE` and with
+`ep_size > 1`: each rank holds E/ep experts but the gate, and its bias, is replicated.
+
+After each applied optimizer step:
+
+    load_i  = tokens routed to expert i in this step's micro-batches, summed over every rank
+    bias_i += u * sign(mean(load) - load_i)
+
+The load is all-reduced over the whole world (one [layers, E] all-reduce of exact integer counts
+in float64), so every rank applies the same update and the biases stay bitwise identical. All of it
+stays on the device: no host sync. Under bf16/fp16 the bias buffer is 16-bit; the update goes into
+an fp32 master copy that is then copied into the buffer, so steps of u = 1e-3 are not rounded away.
+After a rollback or resume (the step counter goes back) the masters are re-read from the buffers,
+which the checkpoint restored.
+
+u defaults to DeepSeek-V3's 1e-3 (for runs of many thousands of steps). The router scores are
+probabilities (sum 1 over E), so a bias must reach the gap between a favoured expert's score and
+the others' to move tokens: with u = 1e-3 that takes hundreds of steps. The CPU tests use larger
+rates for runs of tens of steps, and say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from adaptive.orchestrator.callbacks import Callback, Control, TrainerState
+from adaptive.orchestrator.events import EventLog
+from adaptive.orchestrator.monitor import Monitor, all_reduce_sum, world_size
+
+
+@dataclass(frozen=True)
+class BalanceConfig:
+    rate: float = 1e-3  # u: bias step per optimizer step
+
+
+def moe_gates(model: Any) -> list[Any]:
+    """Every MoE gate with a selection bias, in module order (works through DeepSpeed/DDP wrappers)."""
+    if model is None:
+        return []
+    return [m for m in model.modules() if hasattr(m, "e_score_correction_bias") and hasattr(m, "capacity_factor")]
+
+
+class BalancePolicy(Callback):
+    name = "balance"
+
+    def __init__(self, monitor: Monitor, events: EventLog, config: BalanceConfig | None = None) -> None:
+        self.config = config or BalanceConfig()
+        self.monitor = monitor
+        self.events = events
+        self.gates: list[Any] = []
+        self.biases: list[torch.Tensor] = []
+        self.masters: list[torch.Tensor] | None = None  # fp32 copies when the buffers are 16-bit
+        self.updates = 0
+        self._last_step = -1
+        self._reported: list[torch.Tensor] = []  # device copies of the biases at the last report (no sync)
+
+    def on_train_start(self, state: TrainerState, control: Control) -> None:
+        self.gates = moe_gates(state.model)
+        self.biases = [g.e_score_correction_bias for g in self.gates]
+        if world_size() > 1:  # start from rank 0's biases; identical updates keep them equal from then on
+            for bias in self.biases:
+                torch.distributed.broadcast(bias, src=0)
+        self._sync_masters()
+        self._last_step = state.step
+        self._reported = self._bias_copies()
+
+    def _sync_masters(self) -> None:
+        low = any(b.dtype != torch.float32 for b in self.biases)
+        self.masters = [b.detach().float().clone() for b in self.biases] if low else None
+
+    def on_step_start(self, state: TrainerState, control: Control) -> None:
+        if state.step < self._last_step:  # rolled back: the checkpoint restored the buffers
+            self._sync_masters()
+        self._last_step = state.step
+
+    def on_optimizer_step(self, state: TrainerState, control: Control) -> None:
+        counts = self.monitor.step_counts
+        if not self.biases or counts is None:
+            return
+        load = counts.clone() if world_size() > 1 else counts
+        all_reduce_sum(load)
+        delta = (load.mean(dim=1, keepdim=True) - load).sign_().mul_(self.config.rate).float()
+        rows = list(delta.unbind(0))
+        if self.masters is None:
+            torch._foreach_add_(self.biases, rows)
+        else:
+            torch._foreach_add_(self.masters, rows)
+            for bias, master in zip(self.biases, self.masters):
+                bias.copy_(master)
+        self.updates += 1
+
+    def on_step_end(self, state: TrainerState, control: Control, *, metrics: dict[str, Any] | None) -> None:
+        self._last_step = state.step
+        signals = self.monitor.fresh(state)
+        if signals is None or not self.biases:
+            return
+        before = [b.tolist() for b in self._reported]  # read on the summary step, when the monitor reads too
+        self._reported = self._bias_copies()
+        self.events.record(
+            state.step, self.name, "bias_update", f"{self.updates} updates of u={self.config.rate:g} so far",
+            signals={"max_vio": signals.max_vio, "dropped_fraction": signals.dropped_fraction,
+                     "dead_experts": signals.dead_experts, "router_entropy": signals.router_entropy},
+            before={"bias_range": _ranges(before)}, after={"bias_range": _ranges(self._bias_rows())})
+
+    def _source(self) -> list[torch.Tensor]:
+        return self.masters if self.masters is not None else self.biases
+
+    def _bias_copies(self) -> list[torch.Tensor]:
+        return [b.detach().clone() for b in self._source()]
+
+    def _bias_rows(self) -> list[list[float]]:
+        return [b.tolist() for b in self._source()]
+
+    def summary(self) -> dict[str, Any]:
+        rows = self._bias_rows() if self.biases else []
+        return {"layers": len(self.biases), "rate": self.config.rate, "updates": self.updates,
+                "bias": rows}
+
+
+def _ranges(rows: list[list[float]] | None) -> list[list[float]] | None:
+    """[min, max] of each layer's bias, to 7 significant digits (the fp32 values print long)."""
+    return [[float(f"{min(r):.7g}"), float(f"{max(r):.7g}")] for r in rows] if rows else None
+
+
+__all__ = ["BalanceConfig", "BalancePolicy", "moe_gates"]

@@ -1,0 +1,140 @@
+"""The orchestrator's decision log: `<output-dir>/events.jsonl`, one JSON object per line.
+
+    kind "decision"   one per action a policy took (or a recommendation it made):
+        step        optimizer steps done when it was decided
+        time        unix seconds
+        policy      "monitor" | "balance" | "capacity" | "oom" | "guard" | "ep"
+        action      what it did, e.g. "raise_capacity", "halve_micro_batch", "rollback"
+        reason      one line of why
+        signals     {name: value} the decision read (MaxVio, dropped fraction, loss, ...)
+        before      {knob: value} before the action
+        after       {knob: value} after it
+    kind "summary"    one at the end of training: step, time, policies (the ones that ran),
+                      decisions {policy: {action: count}}, and each policy's own summary under
+                      its name.
+
+Every rank makes the same decisions (they read all-reduced signals); only the main process writes.
+The file is appended to, so a resumed or rolled-back run keeps its whole history.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import Counter, deque
+from pathlib import Path
+from typing import Any
+
+from adaptive.orchestrator.callbacks import Callback, Control, TrainerState
+
+logger = logging.getLogger(__name__)
+
+EVENTS_FILE = "events.jsonl"
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: NaN/inf become null, tuples lists, paths strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+RECENT = 1000  # decisions kept in memory (the file has them all); the counts cover every one
+
+
+class EventLog:
+    """Counts decisions (for the summary), keeps the recent ones, appends all to events.jsonl."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self.enabled = False
+        self.main = True  # this process logs (the main process; every rank decides the same)
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=RECENT)
+        self._counts: dict[str, Counter] = {}
+        self._opened = False
+        self._pending: list[dict[str, Any]] = []
+
+    def open(self, output_dir: Path | None, enabled: bool) -> None:
+        """Where to write (None or disabled: keep decisions in memory only)."""
+        self.path = Path(output_dir) / EVENTS_FILE if output_dir is not None else None
+        self.main = enabled
+        self.enabled = enabled and self.path is not None
+        self._opened = True
+        if self.enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        pending, self._pending = self._pending, []
+        for record in pending:
+            self._write(record)
+
+    def record(self, step: int, policy: str, action: str, reason: str, signals: dict[str, Any] | None = None,
+               before: dict[str, Any] | None = None, after: dict[str, Any] | None = None) -> dict[str, Any]:
+        event = _clean({"kind": "decision", "step": step, "time": time.time(), "policy": policy, "action": action,
+                        "reason": reason, "signals": signals or {}, "before": before or {}, "after": after or {}})
+        self.decisions.append(event)
+        self._counts.setdefault(policy, Counter())[action] += 1
+        self._write(event)
+        if self.main and action != "bias_update":  # the routine balancing update is summarised, not logged per step
+            logger.info("orchestrator %s at step %d: %s (%s) %s -> %s", policy, step, action, reason,
+                        event["before"], event["after"])
+        return event
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        return {p: dict(c) for p, c in self._counts.items()}
+
+    def write_summary(self, step: int, policies: list[str], details: dict[str, Any]) -> dict[str, Any]:
+        summary = _clean({"kind": "summary", "step": step, "time": time.time(), "policies": policies,
+                          "decisions": self.counts(), **details})
+        self._write(summary)
+        if self.main:
+            logger.info("orchestrator summary: %s", json.dumps(summary["decisions"]))
+        return summary
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if not self._opened:  # decided before the log knew its folder
+            self._pending.append(record)
+            return
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class EventSummary(Callback):
+    """The orchestrator's last callback: opens the log at the start, writes the summary at the end."""
+
+    name = "summary"
+
+    def __init__(self, events: EventLog, policies: list[Any]) -> None:
+        self.events = events
+        self.policies = policies
+
+    def on_train_start(self, state: TrainerState, control: Control) -> None:
+        self.events.open(state.output_dir, state.is_main_process)
+
+    def on_train_end(self, state: TrainerState, control: Control) -> None:
+        details = {p.name: p.summary() for p in self.policies if hasattr(p, "summary")}
+        self.events.write_summary(state.step, [p.name for p in self.policies], details)
+
+
+def read_events(path: str | Path) -> list[dict[str, Any]]:
+    """The records of an events.jsonl (lines cut short by a crash are skipped)."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+__all__ = ["EVENTS_FILE", "EventLog", "EventSummary", "read_events"]
