@@ -139,9 +139,9 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
         for sug in p.suggestions:
             console.print(f"  - {sug}")
     if files:
-        console.print("Wrote " + ", ".join(str(f) for f in files.values()))
+        console.print("Wrote " + ", ".join(str(f) for f in files.values()), soft_wrap=True)
         console.print(f"Launch: accelerate launch --config_file {files['accelerate_config']} recipes/<recipe>.py "
-                      f"--ds-config {files['ds_config']}")
+                      f"--ds-config {files['ds_config']}", soft_wrap=True)  # one line, to copy
 
 
 def measure_report(report, files: dict | None = None) -> None:
@@ -159,4 +159,4 @@ def measure_report(report, files: dict | None = None) -> None:
     console.print(t)
     console.print(f"How: {report.measurement.method}.")
     for name, path in (files or {}).items():
-        console.print(f"Wrote {name}: {path}")
+        console.print(f"Wrote {name}: {path}", soft_wrap=True)

@@ -51,4 +51,4 @@ def report(run_dir: RunDir, out: Out = None) -> None:
         rec = s["ep_recommendation"]
         table.add_row("next launch", f"ep_size {rec['ep_size']}: {rec['reason']}")
     console.print(table)
-    console.print(f"Wrote {path}")
+    console.print(f"Wrote {path}", soft_wrap=True)  # a path stays one line, whole, to copy
