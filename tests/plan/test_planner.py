@@ -105,3 +105,15 @@ def test_cost_is_hours_times_gpus_times_price():
     plan = fit(make_request(model="b1", gpu="h100", gpus=8, price=2.0, tokens=1e10))
     assert plan.cost == pytest.approx(plan.hours * 8 * 2.0)
     assert plan.hours == pytest.approx(1e10 / plan.best.throughput.tokens_per_second / 3600)
+
+
+@pytest.mark.parametrize("model,arch,gpu,gpus", [("b1", "dense", "h100", 8), ("b7", "moe", "a100-80gb", 8),
+                                                 ("b70", "dense", "h100", 8)])
+def test_json_memory_phases_add_up_to_the_peak(model, arch, gpu, gpus):
+    from adaptive.plan.emit import plan_dict
+
+    d = plan_dict(fit(make_request(model=model, arch=arch, gpu=gpu, gpus=gpus), suggest=False))
+    ph, mem = d["memory_phases"], d["memory"]
+    assert ph["persistent"] + max(ph["backward"], ph["optimizer_step"]) + mem["fragmentation"] + mem["cuda_context"] \
+        == d["peak_gpu_bytes"]
+    assert sum(mem.values()) >= d["peak_gpu_bytes"]  # parts at full size; not all alive at once
