@@ -214,11 +214,12 @@ def micro_batch_candidates(req: FitRequest, global_tokens: int, seq: int) -> lis
 
 def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, offload: str,
              ckpt: bool, ep: int, global_tokens: int, host_mem: int) -> Candidate:
+    accum = req.grad_accum or grad_accum_for(req, global_tokens, seq, micro)
     setup = TrainSetup(spec=spec, seq_len=seq, micro_batch_size=micro, zero_stage=zero,
                        offload_optimizer=offload in ("optimizer", "all"), offload_params=offload == "all",
                        gradient_checkpointing=ckpt, gpus_per_node=req.gpus_per_node, num_nodes=req.num_nodes,
-                       ep_size=ep, capacity_factor=req.capacity_factor, calibration=req.calibration)
-    accum = req.grad_accum or grad_accum_for(req, global_tokens, seq, micro)
+                       ep_size=ep, capacity_factor=req.capacity_factor, calibration=req.calibration,
+                       gradient_accumulation_steps=accum)
     mem = estimate_memory(setup)
     tp = estimate_throughput(setup, req.gpu, accum, req.mfu)
     return Candidate(setup=setup, grad_accum=accum, memory=mem, throughput=tp,
