@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable
 
 
@@ -30,6 +31,10 @@ def unknown(kind: str, value: str, choices: Iterable[str]) -> AdaptiveError:
 
 
 def require_positive(name: str, value: float | int | None) -> None:
-    """Reject zero and negative numbers for quantities that must be positive."""
-    if value is not None and value <= 0:
+    """Reject zero, negative and non-finite numbers (nan, inf) for quantities that must be positive."""
+    if value is None:
+        return
+    if math.isnan(value) or value <= 0:
         raise AdaptiveError(f"{name} must be positive, got {value}")
+    if math.isinf(value):
+        raise AdaptiveError(f"{name} must be a finite number, got {value}")

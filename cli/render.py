@@ -19,6 +19,7 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 PART_LABELS = {
     "params": "16-bit parameters",
     "grads": "gradients (16-bit + fp32)",
+    "accumulated_grads": "16-bit gradients held between accumulation boundaries (ZeRO-0/1)",
     "zero3_grad_partition": "ZeRO-3 16-bit gradient partition",
     "optimizer": "optimizer states (fp32 master, m, v)",
     "zero3_live_params": "ZeRO-3 gathered layer",
@@ -32,7 +33,7 @@ PART_LABELS = {
 # When each part is alive during a step; the peak sums only parts alive at the same moment.
 PART_WHEN = {
     "params": "whole step", "optimizer": "whole step", "comm_buckets": "whole step",
-    "zero3_grad_partition": "whole step", "grads": "optimizer step", "zero3_live_params": "backward",
+    "zero3_grad_partition": "whole step", "grads": "optimizer step", "zero3_live_params": "backward", "accumulated_grads": "backward",
     "activations": "backward", "logits_and_loss": "backward", "backward_transient": "backward",
     "fragmentation": "allowance", "cuda_context": "allowance",
 }

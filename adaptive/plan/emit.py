@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from adaptive.errors import AdaptiveError
 from adaptive.plan import memory as mem
 from adaptive.plan.advice import OVERHEAD_SOURCE
 from adaptive.plan.gpus import GPU
@@ -225,12 +226,17 @@ def assumptions(plan: Plan) -> dict:
 def write_plan_files(plan: Plan, out_dir: str | Path) -> dict[str, Path]:
     """ds_config.json, accelerate_config.yaml and plan.json in `out_dir`; returns their paths."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     c = plan.shown
     ds_path = out / "ds_config.json"
     acc_path = out / "accelerate_config.yaml"
     plan_path = out / "plan.json"
-    ds_path.write_text(json.dumps(ds_config(c.setup, c.grad_accum, plan.request.gpu), indent=2) + "\n")
-    acc_path.write_text(to_yaml(accelerate_config(c.setup, str(ds_path.resolve()))))
-    plan_path.write_text(json.dumps(plan_dict(plan), indent=2) + "\n")
+    if out.exists() and not out.is_dir():
+        raise AdaptiveError(f"cannot write the plan files into {str(out)!r}: it is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        ds_path.write_text(json.dumps(ds_config(c.setup, c.grad_accum, plan.request.gpu), indent=2) + "\n")
+        acc_path.write_text(to_yaml(accelerate_config(c.setup, str(ds_path.resolve()))))
+        plan_path.write_text(json.dumps(plan_dict(plan), indent=2) + "\n")
+    except OSError as e:  # a file where the folder should be, no permission, a full disk: bad input, not a crash
+        raise AdaptiveError(f"cannot write the plan files into {str(out)!r}: {e.strerror or e}") from None
     return {"ds_config": ds_path, "accelerate_config": acc_path, "plan": plan_path}

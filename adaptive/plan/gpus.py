@@ -98,8 +98,8 @@ def custom_gpu(base: GPU | None, memory_gib: float | None, tflops: float | None,
     """A catalog GPU with some figures overridden, or a GPU given wholly by flags."""
     require_positive("--gpu-mem", memory_gib)
     require_positive("--gpu-tflops", tflops)
-    if price_per_hour is not None and price_per_hour < 0:
-        raise AdaptiveError(f"--price must not be negative, got {price_per_hour}")
+    if price_per_hour is not None and not 0 <= price_per_hour < float("inf"):  # also refuses nan
+        raise AdaptiveError(f"--price must be a non-negative finite number, got {price_per_hour}")
     if base is None:
         if memory_gib is None or tflops is None:
             raise AdaptiveError("a custom GPU needs both --gpu-mem (GiB) and --gpu-tflops; or give --gpu NAME")

@@ -50,6 +50,14 @@ def _field(cfg: dict, key: str, path: str, kind: type = int, default=None):
     return value
 
 
+def _name_from_path(path: Path) -> str:
+    """`models/Mixtral-8x7B/config.json` and `models/Mixtral-8x7B` are both "Mixtral-8x7B"."""
+    if path.is_dir() or path.stem == "config":
+        folder = path if path.is_dir() else path.parent
+        return folder.resolve().name or path.stem
+    return path.stem
+
+
 def spec_from_hf_config(path: str | Path, arch: str | None = None) -> ModelSpec:
     """A ModelSpec for an HF config. `arch` may turn a dense config into mod/hybrid/moe shapes."""
     cfg = read_config_json(path)
@@ -67,7 +75,7 @@ def spec_from_hf_config(path: str | Path, arch: str | None = None) -> ModelSpec:
     head_dim = cfg.get("head_dim") or h // heads
     if heads % kv:
         raise AdaptiveError(f"config.json {p!r}: num_attention_heads ({heads}) must be divisible by num_key_value_heads ({kv})")
-    name = cfg.get("_name_or_path") or Path(p).stem
+    name = cfg.get("_name_or_path") or _name_from_path(Path(p))
     common = dict(
         name=str(name) or model_type,
         vocab_size=_field(cfg, "vocab_size", p),

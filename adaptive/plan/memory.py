@@ -48,6 +48,7 @@ class TrainSetup:
     capacity_factor: float = 1.0
     bytes_per_param: int = 2  # bf16 or fp16 weights and activations
     calibration: Calibration | None = None  # measured activations replace the formula
+    gradient_accumulation_steps: int = 1  # ZeRO-0/1 hold every 16-bit gradient between boundaries
 
     @property
     def world_size(self) -> int:
@@ -172,7 +173,7 @@ def comm_buffer_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> i
 def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
     """The per-GPU peak of a training step, its parts, and when it happens."""
     counts = count_params(setup.spec)
-    _, partition = _sizes(setup, counts)
+    local, partition = _sizes(setup, counts)
     parts = model_state_bytes(setup, counts)
     offload = setup.offload_optimizer
     parts["zero3_grad_partition"] = int(2 * partition) if setup.zero_stage == 3 and not offload else 0
@@ -193,12 +194,20 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
     # Which gradient bytes persist: ZeRO-1/2 keep a 16-bit partition buffer between steps and build
     # the fp32 copy only for the step; ZeRO-0 frees its 16-bit grads after each step.
     grads_persistent = 2 * partition if setup.zero_stage in (1, 2) and not offload else 0
+    # ZeRO-0 and ZeRO-1 reduce gradients only at the accumulation boundary (DeepSpeed's stage_1_and_2:
+    # `partition_gradients or is_gradient_accumulation_boundary()`; plain DDP alike), so between
+    # boundaries every local parameter's 16-bit gradient stays on the GPU, offload or not, and from the
+    # second micro-batch on it coexists with the activations. ZeRO-2/3 reduce every micro-batch.
+    held = 0
+    if setup.gradient_accumulation_steps > 1 and setup.zero_stage in (0, 1):
+        held = int(2 * local - grads_persistent)
+    parts["accumulated_grads"] = held
     persistent = (parts["params"] + parts["optimizer"] + parts["comm_buckets"] + parts["zero3_grad_partition"]
                   + grads_persistent)
     backward = (parts["activations"] + parts["logits_and_loss"] + parts["backward_transient"]
-                + parts["zero3_live_params"])
-    if setup.zero_stage == 0 and not offload:
-        # ZeRO-0 accumulates the 16-bit gradients during backward; they are complete when it ends
+                + parts["zero3_live_params"] + held)
+    if setup.zero_stage == 0 and not offload and not held:
+        # ZeRO-0 builds the 16-bit gradients during backward; they are complete when it ends
         backward = max(backward, parts["params"])
     step = parts["grads"] - grads_persistent
     allocated = persistent + max(backward, step)

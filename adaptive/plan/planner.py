@@ -154,6 +154,30 @@ def validate(req: FitRequest) -> None:
         raise AdaptiveError(f"--ep-size {req.ep_size} needs an MoE model; {s.name} {s.arch} has no experts")
 
 
+def check_batch_pins(req: FitRequest) -> None:
+    """A --global-batch-tokens the user gave must be what the pinned micro-batch and accumulation make
+    (at the requested sequence): one sequence per GPU at least, and split evenly."""
+    seq, n = req.seq_len, req.world_size
+    samples = max(1, round(req.global_batch_tokens / seq))
+    if samples < n:
+        raise AdaptiveError(f"--global-batch-tokens {req.global_batch_tokens} is less than one sequence of {seq} per "
+                            f"GPU ({n} GPUs need at least {n * seq})")
+    micro, accum = req.micro_batch_size, req.grad_accum
+    if micro and accum:
+        if micro * accum * n != samples:
+            raise AdaptiveError(
+                f"--micro-batch {micro} x --grad-accum {accum} x {n} GPUs x --seq-len {seq} = "
+                f"{micro * accum * n * seq} tokens, not --global-batch-tokens {req.global_batch_tokens}; "
+                f"drop one of them or make them agree")
+        return
+    for flag, value in (("--micro-batch", micro), ("--grad-accum", accum)):
+        if value and (samples % n or (samples // n) % value):
+            per_gpu = samples / n
+            raise AdaptiveError(
+                f"{flag} {value} cannot keep --global-batch-tokens {req.global_batch_tokens}: that is "
+                f"{per_gpu:g} sequences of {seq} per GPU ({n} GPUs), which {value} does not divide")
+
+
 def sequence_candidates(req: FitRequest) -> list[int]:
     """The requested length first, then 3/4, 1/2, ... (multiples of 64) down to --min-seq-len."""
     seqs = [req.seq_len]
@@ -214,11 +238,12 @@ def micro_batch_candidates(req: FitRequest, global_tokens: int, seq: int) -> lis
 
 def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, offload: str,
              ckpt: bool, ep: int, global_tokens: int, host_mem: int) -> Candidate:
+    accum = req.grad_accum or grad_accum_for(req, global_tokens, seq, micro)
     setup = TrainSetup(spec=spec, seq_len=seq, micro_batch_size=micro, zero_stage=zero,
                        offload_optimizer=offload in ("optimizer", "all"), offload_params=offload == "all",
                        gradient_checkpointing=ckpt, gpus_per_node=req.gpus_per_node, num_nodes=req.num_nodes,
-                       ep_size=ep, capacity_factor=req.capacity_factor, calibration=req.calibration)
-    accum = req.grad_accum or grad_accum_for(req, global_tokens, seq, micro)
+                       ep_size=ep, capacity_factor=req.capacity_factor, calibration=req.calibration,
+                       gradient_accumulation_steps=accum)
     mem = estimate_memory(setup)
     tp = estimate_throughput(setup, req.gpu, accum, req.mfu)
     return Candidate(setup=setup, grad_accum=accum, memory=mem, throughput=tp,
@@ -296,6 +321,8 @@ def fit(req: FitRequest, suggest: bool = True) -> Plan:
     global_tokens = req.global_batch_tokens or default_global_batch_tokens(counts.active)
     if global_tokens < req.seq_len:
         raise AdaptiveError(f"--global-batch-tokens ({global_tokens}) must be at least one sequence ({req.seq_len})")
+    if req.global_batch_tokens is not None:
+        check_batch_pins(req)
     host_mem = host_mem_for(req)
     train_tokens = req.train_tokens or CHINCHILLA_TOKENS_PER_PARAM * counts.active
     best, evaluated = search(req, req.spec, global_tokens, host_mem)

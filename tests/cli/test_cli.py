@@ -82,6 +82,10 @@ def test_out_writes_the_three_files(tmp_path):
     (["fit", "--model", "b1", "--arch", "moe", "--gpu", "a100", "--zero", "3"], "refuses ZeRO stage 3"),
     (["fit", "--model", "b7", "--gpu-mem", "24"], "--gpu-tflops"),
     (["compare", "--model", "b1", "--gpu", "v100"], "unknown GPU 'v100'"),
+    (["fit", "--model", "b7", "--gpu", "a100", "--host-mem", "inf"], "--host-mem must be a finite number"),
+    (["fit", "--model", "b7", "--gpu-mem", "nan", "--gpu-tflops", "300"], "--gpu-mem must be positive, got nan"),
+    (["fit", "--model", "b7", "--gpu", "a100", "--mfu", "nan"], "--mfu must be positive, got nan"),
+    (["fit", "--model", "b7", "--gpu", "a100", "--price", "nan"], "--price must be a non-negative finite number"),
 ])
 def test_bad_input_exits_2_with_one_line_and_no_traceback(args, message):
     r = adaptive(*args)
@@ -89,6 +93,15 @@ def test_bad_input_exits_2_with_one_line_and_no_traceback(args, message):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], r.stderr
     assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_out_that_is_a_file_exits_2(tmp_path):
+    not_a_folder = tmp_path / "plan"
+    not_a_folder.write_text("")
+    r = adaptive("fit", "--model", "debug", "--gpu", "t4", "--out", str(not_a_folder))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [f"error: cannot write the plan files into {str(not_a_folder)!r}: "
+                                             "it is a file, not a folder"]
 
 
 def test_malformed_config_json_exits_2(tmp_path):

@@ -85,3 +85,34 @@ def test_our_own_exported_config_plans_with_the_saved_models_counts(tmp_path, ar
     spec = spec_from_hf_config(str(tmp_path / "config.json"))
     assert spec.arch == arch and spec.name == "debug"
     assert count_params(spec).total == sum(p.numel() for p in model.parameters())
+
+
+# Public configs (the fields that matter) and the parameter counts their model cards and checkpoints give.
+PUBLIC = {
+    "Mixtral-8x7B-v0.1": (dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                               num_local_experts=8, num_experts_per_tok=2), 46_702_792_704, 12_879_925_248),
+    "Qwen1.5-MoE-A2.7B": (dict(model_type="qwen2_moe", vocab_size=151936, hidden_size=2048, intermediate_size=5632,
+                               num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16, num_experts=60,
+                               num_experts_per_tok=4, moe_intermediate_size=1408,
+                               shared_expert_intermediate_size=5632), 14_315_784_192, 2_689_173_504),
+    "Meta-Llama-3-8B": (dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                             num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
+                        8_030_261_248, 8_030_261_248),
+    "Mistral-7B-v0.1": (dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                             num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
+                        7_241_732_096, 7_241_732_096),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLIC))
+def test_public_checkpoints_count_and_are_named_after_their_folder(tmp_path, name):
+    cfg, total, active = PUBLIC[name]
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    for given in (folder, folder / "config.json"):
+        spec = spec_from_hf_config(given)
+        assert spec.name == name  # not "config"
+        counts = count_params(spec)
+        assert (counts.total, counts.active) == (total, active)

@@ -105,3 +105,37 @@ def test_cost_is_hours_times_gpus_times_price():
     plan = fit(make_request(model="b1", gpu="h100", gpus=8, price=2.0, tokens=1e10))
     assert plan.cost == pytest.approx(plan.hours * 8 * 2.0)
     assert plan.hours == pytest.approx(1e10 / plan.best.throughput.tokens_per_second / 3600)
+
+
+@pytest.mark.parametrize("model,arch,gpu,gpus", [("b1", "dense", "h100", 8), ("b7", "moe", "a100-80gb", 8),
+                                                 ("b70", "dense", "h100", 8)])
+def test_json_memory_phases_add_up_to_the_peak(model, arch, gpu, gpus):
+    from adaptive.plan.emit import plan_dict
+
+    d = plan_dict(fit(make_request(model=model, arch=arch, gpu=gpu, gpus=gpus), suggest=False))
+    ph, mem = d["memory_phases"], d["memory"]
+    assert ph["persistent"] + max(ph["backward"], ph["optimizer_step"]) + mem["fragmentation"] + mem["cuda_context"] \
+        == d["peak_gpu_bytes"]
+    assert sum(mem.values()) >= d["peak_gpu_bytes"]  # parts at full size; not all alive at once
+
+
+@pytest.mark.parametrize("pins,message", [
+    (dict(micro_batch=3, grad_accum=3), "--micro-batch 3 x --grad-accum 3 x 8 GPUs x --seq-len 2048 = 147456 tokens"),
+    (dict(grad_accum=3), "--grad-accum 3 cannot keep --global-batch-tokens 1048576: that is 64 sequences"),
+    (dict(micro_batch=3), "--micro-batch 3 cannot keep"),
+])
+def test_pins_that_contradict_a_given_global_batch_are_refused(pins, message):
+    with pytest.raises(AdaptiveError, match=message.replace("+", r"\+")):
+        fit(make_request(model="b1", gpu="a100", gpus=8, global_batch_tokens=1024 * 1024, **pins))
+
+
+@pytest.mark.parametrize("pins", [dict(micro_batch=4, grad_accum=16), dict(grad_accum=4), dict(micro_batch=2)])
+def test_pins_that_agree_with_a_given_global_batch_keep_it_exactly(pins):
+    plan = fit(make_request(model="b1", gpu="a100", gpus=8, global_batch_tokens=1024 * 1024, **pins))
+    s = plan.shown.setup
+    assert s.seq_len * s.micro_batch_size * plan.shown.grad_accum * 8 == 1024 * 1024
+
+
+def test_a_global_batch_below_one_sequence_per_gpu_is_refused():
+    with pytest.raises(AdaptiveError, match="less than one sequence of 2048 per GPU"):
+        fit(make_request(model="b1", gpu="a100", gpus=8, global_batch_tokens=4096))
