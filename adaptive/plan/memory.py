@@ -197,10 +197,12 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
     # ZeRO-0 and ZeRO-1 reduce gradients only at the accumulation boundary (DeepSpeed's stage_1_and_2:
     # `partition_gradients or is_gradient_accumulation_boundary()`; plain DDP alike), so between
     # boundaries every local parameter's 16-bit gradient stays on the GPU, offload or not, and from the
-    # second micro-batch on it coexists with the activations. ZeRO-2/3 reduce every micro-batch.
+    # second micro-batch on it coexists with the activations, beside ZeRO-1's own partition buffer
+    # (measured with a real engine: tests/plan/test_memory_measured_deepspeed.py). ZeRO-2/3 reduce
+    # every micro-batch.
     held = 0
     if setup.gradient_accumulation_steps > 1 and setup.zero_stage in (0, 1):
-        held = int(2 * local - grads_persistent)
+        held = int(2 * local)
     parts["accumulated_grads"] = held
     persistent = (parts["params"] + parts["optimizer"] + parts["comm_buckets"] + parts["zero3_grad_partition"]
                   + grads_persistent)

@@ -37,7 +37,8 @@ def main() -> None:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
             engine, _, _, _ = deepspeed.initialize(model=model, config=ds, optimizer=optimizer)
             ids = torch.randint(0, cfg.vocab_size, (1, seq))
-            for _ in range(2):  # steady state: the optimizer states exist from the first step on
+            # steady state: the optimizer states exist from the first optimizer step on
+            for _ in range(2 * ds.get("gradient_accumulation_steps", 1)):
                 tracker.reset_mod_stats()
                 engine.backward(engine(input_ids=ids, labels=ids).loss)
                 engine.step()
