@@ -106,9 +106,9 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
     console.print(f"peak = whole step {gib(m.persistent_bytes)} + max(backward {gib(m.backward_bytes)}, "
                   f"optimizer step {gib(m.step_bytes)}) + allowances")
     if c.memory.host_bytes_per_node:
-        ok = "ok" if c.fits_host else "[red]exceeds[/red]"
+        ok = "within" if c.fits_host else "[red]more than[/red]"
         console.print(f"Host RAM for offload: {gib(c.memory.host_bytes_per_node)} per node "
-                      f"({ok} against {gib(p.host_mem_bytes)}; --host-mem)")
+                      f"({ok} the {gib(p.host_mem_bytes)} available; --host-mem)")
 
     speed = Table(title="Speed, time and cost (estimated)", box=box.SIMPLE_HEAD, show_header=False)
     speed.add_column(style="bold")

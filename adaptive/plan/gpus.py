@@ -101,6 +101,9 @@ def custom_gpu(base: GPU | None, memory_gib: float | None, tflops: float | None,
     if price_per_hour is not None and not 0 <= price_per_hour < float("inf"):  # also refuses nan
         raise AdaptiveError(f"--price must be a non-negative finite number, got {price_per_hour}")
     if base is None:
+        if memory_gib is None and tflops is None:
+            raise AdaptiveError("missing --gpu NAME (see `adaptive gpus`), e.g. --gpu a100-40gb; "
+                                "or a custom GPU with --gpu-mem GIB --gpu-tflops T")
         if memory_gib is None or tflops is None:
             raise AdaptiveError("a custom GPU needs both --gpu-mem (GiB) and --gpu-tflops; or give --gpu NAME")
         base = GPU("custom", 0, 0.0, True, 1000, "PCIe 4.0 x16", 25, 0.0, 0.35)

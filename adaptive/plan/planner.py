@@ -252,10 +252,11 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
 
 
 def _preference(c: Candidate) -> tuple:
-    """Highest predicted throughput; ties go to bigger micro-batches, no offload, lower ZeRO."""
+    """Highest predicted throughput; ties go to bigger micro-batches, no offload, more memory headroom,
+    lower ZeRO."""
     s = c.setup
     return (round(c.throughput.tokens_per_second, 6), s.micro_batch_size, not s.offload_optimizer,
-            -s.zero_stage, -s.ep_size)
+            -c.memory.peak_gpu_bytes, -s.zero_stage, -s.ep_size)
 
 
 def search(req: FitRequest, spec: ModelSpec, global_tokens: int, host_mem: int) -> tuple[Candidate | None, list[Candidate]]:
@@ -350,10 +351,22 @@ def what_would_fit(req: FitRequest, global_tokens: int) -> tuple[str, ...]:
             nodes = f" ({n // per_node} nodes of {per_node})" if n > 8 else ""
             out.append(f"{n} x {req.gpu.name}{nodes}: {describe(best)}")
             break
-    for g in sorted(CATALOG.values(), key=lambda g: (g.memory_bytes, g.price_per_hour)):
-        if g.memory_bytes > req.gpu.memory_bytes and (best := _best(replace(free, gpu=g), global_tokens)):
-            out.append(f"a larger GPU, {req.world_size} x {g.name}: {describe(best)}")
-            break
+    # the next size up that fits, and the larger GPU that trains the budget cheapest (price per token)
+    larger = [(g, best) for g in CATALOG.values() if g.memory_bytes > req.gpu.memory_bytes
+              and (best := _best(replace(free, gpu=g), global_tokens))]
+    if larger:
+        def per_1b_tokens(gb: tuple[GPU, Candidate]) -> float:
+            hours = train_hours(1e9, gb[1].throughput.tokens_per_second)
+            return cost_usd(hours, req.world_size, gb[0].price_per_hour)
+
+        smallest = min(larger, key=lambda gb: (gb[0].memory_bytes, gb[0].price_per_hour))
+        cheapest = min(larger, key=per_1b_tokens)
+        shown = [("a larger GPU", smallest)]
+        if cheapest[0] is not smallest[0]:
+            shown.append(("the cheapest larger GPU per token", cheapest))
+        for why, gb in shown:
+            out.append(f"{why}, {req.world_size} x {gb[0].name}: {describe(gb[1])}, "
+                       f"${per_1b_tokens(gb):,.0f} per 1B tokens")
     spec = req.spec
     if spec.is_moe and spec.name in PRESETS:
         if best := _best(replace(free, spec=spec_from_shape(PRESETS[spec.name], "mod")), global_tokens):

@@ -110,7 +110,10 @@ def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float
         slots = setup.tokens_per_micro_batch * s.num_experts_per_tok * setup.capacity_factor
         per_layer = 4 * slots * s.hidden_size * b * (setup.ep_size - 1) / setup.ep_size  # 2 fwd + 2 bwd
         passes = 1.5 if setup.gradient_checkpointing else 1.0
-        alltoall = passes * per_layer * s.num_moe_layers * grad_accum / (_collective_gbps(gpu, setup) * 1e9)
+        # DeepSpeed builds expert-parallel groups from consecutive ranks: within a node while they fit
+        intra_node = setup.ep_size <= setup.gpus_per_node
+        gbps = gpu.link_gbps if intra_node else _collective_gbps(gpu, setup)
+        alltoall = passes * per_layer * s.num_moe_layers * grad_accum / (gbps * 1e9)
 
     offload = 0.0
     if setup.offload_optimizer:

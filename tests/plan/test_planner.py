@@ -139,3 +139,38 @@ def test_pins_that_agree_with_a_given_global_batch_keep_it_exactly(pins):
 def test_a_global_batch_below_one_sequence_per_gpu_is_refused():
     with pytest.raises(AdaptiveError, match="less than one sequence of 2048 per GPU"):
         fit(make_request(model="b1", gpu="a100", gpus=8, global_batch_tokens=4096))
+
+
+def test_larger_gpus_suggested_are_the_next_size_up_and_the_cheapest_per_token():
+    from adaptive.plan.gpus import CATALOG
+
+    plan = fit(make_request(model="b7", gpu="a100-40gb", host_mem_gib=64))
+
+    def named(prefix):
+        line = next(s for s in plan.suggestions if s.startswith(prefix))
+        return next(g.name for g in CATALOG.values() if f"x {g.name}:" in line)
+
+    fitting = {}  # every larger catalog GPU that fits, planned independently
+    for g in CATALOG.values():
+        if g.memory_bytes > plan.request.gpu.memory_bytes:
+            other = fit(make_request(model="b7", gpu=g.name, host_mem_gib=64), suggest=False)
+            if other.fits:
+                fitting[g.name] = (g.memory_bytes, other.cost / other.train_tokens)
+    assert len(fitting) > 1
+    assert named("a larger GPU,") == min(fitting, key=lambda n: fitting[n][0])
+    cheapest = min(fitting, key=lambda n: fitting[n][1])
+    if cheapest != named("a larger GPU,"):
+        assert named("the cheapest larger GPU per token,") == cheapest
+
+
+def test_equal_speed_plans_keep_the_one_with_more_headroom():
+    from adaptive.plan.planner import host_mem_for, search
+
+    req = make_request(model="b1", gpu="t4")
+    best, evaluated = search(req, req.spec, 512 * 1024, host_mem_for(req))
+    ties = [c for c in evaluated if c.fits and c.setup.seq_len == best.setup.seq_len
+            and (c.setup.micro_batch_size, c.setup.offload_optimizer)
+            == (best.setup.micro_batch_size, best.setup.offload_optimizer)
+            and round(c.throughput.tokens_per_second, 6) == round(best.throughput.tokens_per_second, 6)]
+    assert len({c.setup.zero_stage for c in ties}) > 1  # ZeRO-1 and ZeRO-2 run alike on one GPU
+    assert best.memory.peak_gpu_bytes == min(c.memory.peak_gpu_bytes for c in ties)

@@ -34,3 +34,20 @@ def test_mod_cuts_flops_and_checkpointing_adds_a_forward():
     spec = spec_from_shape(shape)
     head = 6 * 512 * 256
     assert hardware_flops_per_token(spec, 1024, True, 1.0) - dense == pytest.approx((dense - head) / 3)
+
+
+def test_expert_parallel_all_to_all_stays_inside_a_node_while_the_group_fits():
+    from dataclasses import replace
+
+    from adaptive.plan.gpus import get_gpu
+    from adaptive.plan.memory import TrainSetup
+    from adaptive.plan.presets import preset_spec
+    from adaptive.plan.throughput import estimate_throughput
+
+    gpu = get_gpu("h100")
+    one_node = TrainSetup(preset_spec("b1", "moe"), 2048, 1, 2, False, False, True, ep_size=8, gpus_per_node=8)
+    two_nodes = replace(one_node, num_nodes=2)
+    spans = replace(two_nodes, gpus_per_node=4)  # 8 experts' ranks over 2 nodes of 4
+    t1, t2, t3 = (estimate_throughput(s, gpu, 4).alltoall_seconds for s in (one_node, two_nodes, spans))
+    assert t1 > 0 and t2 == pytest.approx(t1)  # DeepSpeed's EP groups are consecutive ranks: one node
+    assert t3 > 2 * t1  # across nodes: the inter-node link
