@@ -297,7 +297,7 @@ class AdaptiveDecoderLayer(GradientCheckpointingLayer):
 def _empty_moe_stats(config: AdaptiveConfig, device) -> MoEStats:
     zero = torch.zeros((), device=device)
     counts = torch.zeros(config.num_local_experts, dtype=torch.long, device=device)
-    return MoEStats(zero, zero, counts, zero, torch.zeros(0, config.num_local_experts, device=device))
+    return MoEStats(zero, zero, counts, zero, torch.zeros(0, config.num_local_experts, device=device), zero)
 
 
 @dataclass
@@ -312,6 +312,7 @@ class AdaptiveRouterStats(ModelOutput):
     dropped_fraction: torch.Tensor | None = None  # [L_moe]
     load_balancing_loss: torch.Tensor | None = None  # [L_moe], unweighted l_aux
     z_loss: torch.Tensor | None = None  # [L_moe], unweighted
+    router_entropy: torch.Tensor | None = None  # [L_moe], mean per-token gate entropy / log(E)
     mod_skip_rate: torch.Tensor | None = None  # [L_mod]
     mod_router_agreement: torch.Tensor | None = None  # [L_mod]: (causal logit > 0) == top-k mask
     mod_bce_loss: torch.Tensor | None = None  # [L_mod], unweighted
@@ -361,6 +362,7 @@ def _collect_router_stats(config: AdaptiveConfig, outputs: list[LayerOutput]):
         stats.dropped_fraction = torch.stack([m.dropped_fraction for m in moe])
         stats.load_balancing_loss = torch.stack([m.l_aux for m in moe])
         stats.z_loss = torch.stack([m.z_loss for m in moe])
+        stats.router_entropy = torch.stack([m.gate_entropy for m in moe])
         aux = aux + config.router_aux_loss_coef * stats.load_balancing_loss.mean()
         if config.router_z_loss_coef:
             aux = aux + config.router_z_loss_coef * stats.z_loss.mean()

@@ -39,6 +39,7 @@ class MoEStats(NamedTuple):
     expert_counts: torch.Tensor  # [E] int64: routes per expert before dropping (DeepSpeed's exp_counts)
     dropped_fraction: torch.Tensor  # scalar fp32: dropped routes / (tokens * k)
     router_logits: torch.Tensor  # [tokens, E] fp32
+    gate_entropy: torch.Tensor  # scalar fp32: mean over tokens of H(softmax(logits)) / log(E), in [0, 1]
 
 
 class Routes(NamedTuple):
@@ -103,6 +104,8 @@ def route(
     ce = _token_mean(mask1.float(), used)
     l_aux = (me * ce).mean() * num_experts * num_experts
     z_loss = _token_mean(torch.logsumexp(logits, dim=-1).square(), used)
+    # per-token router entropy, normalised: 1 = a uniform gate, 0 = one-hot; O(S·E), no host sync
+    entropy = (_token_mean(torch.special.entr(gates.detach()).sum(dim=-1), used) / math.log(num_experts)).float()
 
     # Slot of each route in its expert's buffer: token order, second choices after all first choices.
     locations = torch.stack([
@@ -124,7 +127,7 @@ def route(
     if k == 2:
         weights = weights / weights.sum(dim=0, keepdim=True).clamp(min=torch.finfo(weights.dtype).eps)
     dropped = 1.0 - (kept.sum() / (k * _count(used, num_tokens))).float()
-    stats = MoEStats(l_aux, z_loss, expert_counts, dropped, logits)
+    stats = MoEStats(l_aux, z_loss, expert_counts, dropped, logits, entropy)
     return Routes(experts.masked_fill(~kept, -1), locations * kept, weights, capacity, stats)
 
 

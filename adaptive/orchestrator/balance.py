@@ -15,8 +15,9 @@ The load is all-reduced over the whole world (one [layers, E] all-reduce of exac
 in float64), so every rank applies the same update and the biases stay bitwise identical. All of it
 stays on the device: no host sync. Under bf16/fp16 the bias buffer is 16-bit; the update goes into
 an fp32 master copy that is then copied into the buffer, so steps of u = 1e-3 are not rounded away.
-After a rollback or resume (the step counter goes back) the masters are re-read from the buffers,
-which the checkpoint restored.
+The biases are persistent buffers, so every checkpoint holds them; the fp32 masters and the update
+count go into the checkpoint too (the policy's `state_dict`). After a resume or a rollback the
+masters come back from the checkpoint (from the restored buffers if it has none).
 
 u defaults to DeepSeek-V3's 1e-3 (for runs of many thousands of steps). The router scores are
 probabilities (sum 1 over E), so a bias must reach the gap between a favoured expert's score and
@@ -61,6 +62,7 @@ class BalancePolicy(Callback):
         self.updates = 0
         self._last_step = -1
         self._reported: list[torch.Tensor] = []  # device copies of the biases at the last report (no sync)
+        self._loaded: dict[str, Any] | None = None  # from the checkpoint being loaded
 
     def on_train_start(self, state: TrainerState, control: Control) -> None:
         self.gates = moe_gates(state.model)
@@ -75,11 +77,28 @@ class BalancePolicy(Callback):
     def _sync_masters(self) -> None:
         low = any(b.dtype != torch.float32 for b in self.biases)
         self.masters = [b.detach().float().clone() for b in self.biases] if low else None
+        saved, self._loaded = self._loaded, None
+        if saved is not None:
+            self.updates = saved.get("updates", self.updates)
+            rows = saved.get("masters")
+            if self.masters is not None and rows is not None and len(rows) == len(self.masters):
+                for bias, master, row in zip(self.biases, self.masters, rows):
+                    master.copy_(torch.tensor(row, dtype=torch.float32))
+                    bias.copy_(master)
 
     def on_step_start(self, state: TrainerState, control: Control) -> None:
-        if state.step < self._last_step:  # rolled back: the checkpoint restored the buffers
+        if state.step < self._last_step or self._loaded is not None:  # rolled back: buffers restored
             self._sync_masters()
         self._last_step = state.step
+
+    def state_dict(self) -> dict[str, Any] | None:
+        if not self.biases:
+            return None
+        return {"updates": self.updates, "masters": [m.tolist() for m in self.masters] if self.masters else None}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Taken in at the next on_train_start (--resume) or on_step_start (a rollback)."""
+        self._loaded = dict(state_dict)
 
     def on_optimizer_step(self, state: TrainerState, control: Control) -> None:
         counts = self.monitor.step_counts
@@ -107,7 +126,8 @@ class BalancePolicy(Callback):
         self.events.record(
             state.step, self.name, "bias_update", f"{self.updates} updates of u={self.config.rate:g} so far",
             signals={"max_vio": signals.max_vio, "dropped_fraction": signals.dropped_fraction,
-                     "dead_experts": signals.dead_experts, "router_entropy": signals.router_entropy},
+                     "dead_experts": signals.dead_experts, "router_entropy": signals.router_entropy,
+                     "load_entropy": signals.load_entropy},
             before={"bias_range": _ranges(before)}, after={"bias_range": _ranges(self._bias_rows())})
 
     def _source(self) -> list[torch.Tensor]:

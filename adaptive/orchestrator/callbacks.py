@@ -35,6 +35,11 @@ Requests are honoured at fixed points:
                             scheduled LR times this factor, from then on
     should_evaluate / should_checkpoint / should_export / should_stop   after on_step_end
 
+State that must survive a resume or a rollback goes into the checkpoint: the loop stores each
+callback's `state_dict()` (JSON-safe, or None for nothing) under its `name` in the checkpoint's
+trainer_state.json, and gives it back with `load_state_dict` when it loads that checkpoint (on
+`--resume`, before on_train_start; on a rollback, right after the weights are restored).
+
 Under several processes every rank runs its callbacks; the loop combines the flags of all ranks
 (any rank asking is enough) so that all ranks act together. `change_knobs` and `lr_scale` must be
 set identically on every rank (policies see the same reduced metrics).
@@ -182,6 +187,17 @@ class Callback:
     def on_train_end(self, state: TrainerState, control: Control) -> None:
         pass
 
+    def state_dict(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps of this callback (JSON-safe); None: nothing."""
+        return None
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take back what `state_dict` returned when the checkpoint being loaded was written."""
+
+
+def callback_key(callback: Callback) -> str:
+    return getattr(callback, "name", None) or type(callback).__name__
+
 
 class CallbackList(Callback):
     """Calls every callback for every event, in list order."""
@@ -226,5 +242,19 @@ class CallbackList(Callback):
     def on_train_end(self, state, control):
         self._call("on_train_end", state, control)
 
+    def state_dict(self) -> dict[str, Any]:
+        out = {}
+        for callback in self.callbacks:
+            saved = callback.state_dict()
+            if saved is not None:
+                out[callback_key(callback)] = saved
+        return out
 
-__all__ = ["Callback", "CallbackList", "Control", "Knobs", "TrainerState"]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for callback in self.callbacks:
+            key = callback_key(callback)
+            if key in state_dict:
+                callback.load_state_dict(state_dict[key])
+
+
+__all__ = ["Callback", "CallbackList", "Control", "Knobs", "TrainerState", "callback_key"]

@@ -15,8 +15,9 @@ within the budget: `memory_budget_bytes`, or the plan's GPU memory. Memory is "t
 measured CUDA peak (when the loop reports one) or else the planned peak at the current factor is
 above `tight_fraction` of the budget.
 
-The factor is a model attribute, not a checkpointed knob: a resumed run starts from the model's
-configured factor and adapts again.
+The factor in force is kept in each checkpoint (the policy's `state_dict`), so `--resume` starts
+from it, and a rollback returns to the factor that went with the restored weights (an event
+"restore_capacity" says so when the factor changes).
 """
 
 from __future__ import annotations
@@ -101,11 +102,39 @@ class CapacityPolicy(Callback):
         self._low = 0
         self._capped_reported = False
         self._planned: dict[tuple[Knobs, float], int] = {}
+        self._restored: float | None = None  # from a checkpoint loaded before on_train_start (--resume)
 
     def on_train_start(self, state: TrainerState, control: Control) -> None:
         self.gates = moe_gates(state.model)
         if self.gates:
             self.factor = float(self.gates[0].capacity_factor)
+            if self._restored is not None:
+                self._restore(state.step, self._restored, "resumed: the checkpoint's capacity factor")
+                self._restored = None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return {"capacity_factor": self.factor} if self.factor is not None else None
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Applied before the next forward: in on_train_start (--resume) or on_step_start (a rollback)."""
+        factor = state_dict.get("capacity_factor")
+        self._restored = float(factor) if factor is not None else None
+
+    def on_step_start(self, state: TrainerState, control: Control) -> None:
+        if self._restored is not None and self.gates:
+            self._restore(state.step, self._restored, "rolled back: the checkpoint's capacity factor")
+            self._restored = None
+
+    def _restore(self, step: int, factor: float, reason: str) -> None:
+        self._high = self._low = 0
+        if self.factor is not None and abs(factor - self.factor) <= GRID_TOLERANCE:
+            return
+        before = self.factor
+        for gate in self.gates:
+            gate.capacity_factor = factor
+        self.factor = factor
+        self.events.record(step, self.name, "restore_capacity", reason,
+                           before={"capacity_factor": before}, after={"capacity_factor": factor})
 
     def current_bound(self, state: TrainerState) -> float:
         if self.bound is None or self._bound_knobs != state.knobs:  # the OOM ladder may change knobs

@@ -13,8 +13,15 @@
                       decisions {policy: {action: count}}, and each policy's own summary under
                       its name.
 
+    kind "resume"     where a resumed run took over: step (the checkpoint's), time, checkpoint,
+                      dropped (how many records of the steps after it were removed)
+
 Every rank makes the same decisions (they read all-reduced signals); only the main process writes.
-The file is appended to, so a resumed or rolled-back run keeps its whole history.
+The file is appended to while a run trains, so a rolled-back run keeps its whole history (the
+rollback is a decision). When a run starts, what came after its starting step is removed: a fresh
+run in an old folder starts an empty log, and `--resume` keeps the records written before the first
+one of a later step (the decisions after the checkpoint will be made again), marks the resume, and
+counts the kept decisions in the end summary.
 """
 
 from __future__ import annotations
@@ -62,14 +69,18 @@ class EventLog:
         self._opened = False
         self._pending: list[dict[str, Any]] = []
 
-    def open(self, output_dir: Path | None, enabled: bool) -> None:
-        """Where to write (None or disabled: keep decisions in memory only)."""
+    def open(self, output_dir: Path | None, enabled: bool, start_step: int | None = None,
+             resumed_from: Path | None = None) -> None:
+        """Where to write (None or disabled: keep decisions in memory only). With `start_step`, the
+        file's records of later steps are removed first (see the module docstring)."""
         self.path = Path(output_dir) / EVENTS_FILE if output_dir is not None else None
         self.main = enabled
         self.enabled = enabled and self.path is not None
         self._opened = True
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if start_step is not None:
+                self._trim_after(start_step, resumed_from)
         pending, self._pending = self._pending, []
         for record in pending:
             self._write(record)
@@ -85,6 +96,24 @@ class EventLog:
             logger.info("orchestrator %s at step %d: %s (%s) %s -> %s", policy, step, action, reason,
                         event["before"], event["after"])
         return event
+
+    def _trim_after(self, step: int, resumed_from: Path | None) -> None:
+        records = read_events(self.path) if self.path.exists() else []
+        kept: list[dict[str, Any]] = []
+        if resumed_from is not None:  # the file is in time order: what follows the first later step is
+            for r in records:         # the abandoned history, a rollback's decisions at earlier steps too
+                if r.get("step", 0) > step:
+                    break
+                kept.append(r)
+        for r in kept:  # the end summary counts the whole run's decisions
+            if r.get("kind") == "decision":
+                self._counts.setdefault(r["policy"], Counter())[r["action"]] += 1
+        if resumed_from is not None:
+            kept.append({"kind": "resume", "step": step, "time": time.time(), "checkpoint": str(resumed_from),
+                         "dropped": len(records) - len(kept)})
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        tmp.replace(self.path)
 
     def counts(self) -> dict[str, dict[str, int]]:
         return {p: dict(c) for p, c in self._counts.items()}
@@ -117,7 +146,7 @@ class EventSummary(Callback):
         self.policies = policies
 
     def on_train_start(self, state: TrainerState, control: Control) -> None:
-        self.events.open(state.output_dir, state.is_main_process)
+        self.events.open(state.output_dir, state.is_main_process, state.step, state.resumed_from)
 
     def on_train_end(self, state: TrainerState, control: Control) -> None:
         details = {p.name: p.summary() for p in self.policies if hasattr(p, "summary")}

@@ -12,10 +12,12 @@ all-reduce) and read to the host once, giving `Signals`:
     max_vio          per layer, (max load - mean load) / mean load (DeepSeek-V3's MaxVio)
     dropped_fraction per layer, mean fraction of routes dropped by capacity
     dead_experts     per layer, experts that got no token in the whole window
-    router_entropy   per layer, entropy of the window's load distribution over experts divided by
-                     log(E): 1.0 is perfectly even, 0 is one expert. It is computed from the
-                     counts, not from per-token gate probabilities (the model does not return
-                     those unless asked, and asking costs a [tokens, E] tensor per layer)
+    router_entropy   per layer, the mean over tokens of each token's gate entropy
+                     H(softmax(router logits)) divided by log(E): 1.0 is a router that cannot tell
+                     experts apart, 0 a router certain of one expert per token (the model computes
+                     it on the device in each forward, `router_stats.router_entropy`)
+    load_entropy     per layer, entropy of the window's load distribution over experts divided by
+                     log(E): 1.0 is perfectly even, 0 is one expert
     mod_skip_rate    per MoD layer, fraction of tokens that skipped the block
     mod_router_agreement  per MoD layer, fraction where the causal router agrees with top-k
     loss             mean finite micro-batch loss in the window (None if none was finite)
@@ -71,7 +73,8 @@ class Signals:
     max_vio: list[float | None] | None = None
     dropped_fraction: list[float] | None = None
     dead_experts: list[int] | None = None
-    router_entropy: list[float | None] | None = None
+    router_entropy: list[float] | None = None
+    load_entropy: list[float | None] | None = None
     mod_skip_rate: list[float] | None = None
     mod_router_agreement: list[float] | None = None
     loss: float | None = None
@@ -95,8 +98,10 @@ class Signals:
         if self.dead_experts is not None:
             out["dead_experts"] = sum(self.dead_experts)
         if self.router_entropy is not None:
-            values = [v for v in self.router_entropy if v is not None]
-            out["router_entropy_min"] = min(values) if values else None
+            out["router_entropy_min"] = min(self.router_entropy) if self.router_entropy else None
+        if self.load_entropy is not None:
+            values = [v for v in self.load_entropy if v is not None]
+            out["load_entropy_min"] = min(values) if values else None
         if self.mod_skip_rate:
             out["mod_skip_rate_mean"] = sum(self.mod_skip_rate) / len(self.mod_skip_rate)
         if self.memory_peak_bytes is not None:
@@ -124,7 +129,8 @@ class _Layout:
 
     def __init__(self, moe_layers: int, experts: int, mod_layers: int) -> None:
         self.moe_layers, self.experts, self.mod_layers = moe_layers, experts, mod_layers
-        sizes = [("counts", moe_layers * experts), ("dropped", moe_layers), ("skip", mod_layers),
+        sizes = [("counts", moe_layers * experts), ("dropped", moe_layers), ("entropy", moe_layers),
+                 ("skip", mod_layers),
                  ("agree", mod_layers), ("loss", 1), ("finite", 1), ("micro", 1)]
         self.slices: dict[str, slice] = {}
         offset = 0
@@ -183,6 +189,9 @@ class Monitor(Callback):
         if "counts" in v and stats is not None and stats.expert_counts is not None:
             v["counts"].add_(stats.expert_counts)
             v["dropped"].add_(stats.dropped_fraction)
+            entropy = getattr(stats, "router_entropy", None)
+            if entropy is not None:
+                v["entropy"].add_(entropy)
         if "skip" in v and stats is not None and stats.mod_skip_rate is not None:
             v["skip"].add_(stats.mod_skip_rate)
             v["agree"].add_(stats.mod_router_agreement)
@@ -222,6 +231,7 @@ class Monitor(Callback):
                 self._views[name] = view.view(layers, experts) if name == "counts" else view
         if not layers:
             self._views.pop("dropped", None)
+            self._views.pop("entropy", None)
 
     def summarise(self, step: int, metrics: dict[str, Any] | None = None, grad_norm: float | None = None) -> Signals:
         """Sum the window over ranks (one all-reduce), read it once, start a new window."""
@@ -245,7 +255,8 @@ class Monitor(Callback):
             kwargs.update(expert_counts=counts, max_vio=[max_vio([float(c) for c in row]) for row in counts],
                           dropped_fraction=[d / micro for d in part("dropped")] if micro else None,
                           dead_experts=[sum(1 for c in row if c == 0) for row in counts],
-                          router_entropy=[load_entropy([float(c) for c in row]) for row in counts])
+                          router_entropy=[e / micro for e in part("entropy")] if micro else None,
+                          load_entropy=[load_entropy([float(c) for c in row]) for row in counts])
         if lay.mod_layers:
             kwargs.update(mod_skip_rate=[s / micro for s in part("skip")] if micro else None,
                           mod_router_agreement=[a / micro for a in part("agree")] if micro else None)

@@ -12,7 +12,9 @@ the same optimizer step on the same samples, so no sample is lost or repeated:
        training (the data are blocks of seq_len tokens, and tokens per step would change), so this
        rung is a restart: when `min_seq_len` allows a shorter sequence (3/4 of it, then 1/2, never
        below min_seq_len) the policy writes it into the run's plan.json under
-       "orchestrator_restart" and lets the error end the run; restart with that --seq-len. Without
+       "orchestrator_restart" and lets the error end the run; restart with that --seq-len. That
+       restart begins at step 0: `--resume` refuses a checkpoint of another seq_len (the data blocks
+       and the tokens per step would change), and the recipes do not read the key themselves. Without
        `min_seq_len` the ladder ends at rung 2 and the error propagates.
 
 The loop writes the knobs in force to plan.json and ds_config.json after each change; with

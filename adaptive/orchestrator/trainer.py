@@ -83,6 +83,8 @@ class OrchestratorCallback(TrainerCallback):
         self.state = TrainerState(max_steps=state.max_steps, knobs=knobs, output_dir=Path(args.output_dir),
                                   plan=self.plan, orchestrator=True, model=model, optimizer=optimizer,
                                   scheduler=lr_scheduler, step=state.global_step, world_size=args.world_size)
+        if state.global_step:  # resume_from_checkpoint: the event log keeps the decisions up to here
+            self.state.resumed_from = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         self._hook = model.register_forward_hook(self._capture)
         self.chain.on_train_start(self.state, self.control)
         self._apply(control)

@@ -280,6 +280,7 @@ def save(state: TrainerState, control: Control, loop: Loop) -> Path:
         "step": state.step, "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps,
         "lr_scale": state.lr_scale, "samples_seen": positions, "knobs": state.knobs.as_dict(),
         "max_steps": state.max_steps, "world_size": state.world_size,
+        "callbacks": loop.callbacks.state_dict(),  # e.g. the capacity factor the orchestrator set
     }
     path = ckpt.save_checkpoint(state.accelerator, state.output_dir, state.step, trainer_state,
                                 loop.settings.keep_checkpoints)
@@ -389,8 +390,11 @@ def set_lr_scale(state: TrainerState, loop: Loop, scale: float) -> None:
 
 
 def rollback(state: TrainerState, loop: Loop) -> None:
-    """Reload the newest complete checkpoint (a callback asked, e.g. after a loss spike)."""
-    path = ckpt.find_checkpoint("auto", state.output_dir)
+    """Reload the last checkpoint this run wrote or resumed from (a callback asked, e.g. after a loss
+    spike); the newest complete one when that is gone. Not simply the newest: after `--resume` from an
+    older checkpoint, newer ones belong to the abandoned history."""
+    last = state.last_checkpoint
+    path = last if last is not None and ckpt.is_complete(last) else ckpt.find_checkpoint("auto", state.output_dir)
     if path is None:
         raise AdaptiveError(f"rollback asked for, but {state.output_dir / ckpt.CHECKPOINTS} has no complete checkpoint")
     before = state.step
@@ -422,6 +426,7 @@ def restore(state: TrainerState, loop: Loop, path: Path) -> None:
     control = Control(change_knobs={k: getattr(knobs, k) for k in Knobs.RUNTIME})
     apply_knob_changes(state, control, loop)
     _apply_lr_scale(state, loop, force=True)
+    loop.callbacks.load_state_dict(saved.get("callbacks") or {})
 
 
 def write_run_files(state: TrainerState, loop: Loop) -> None:

@@ -18,11 +18,21 @@ FLAGS = ["--max-steps", "16", "--log-every", "1", "--seq-len", "64", "--micro-ba
          "--orchestrator-config", json.dumps({"guard": {"window": 5, "lr_steps": 3}})]
 
 
-def _command(spec: dict, out: Path) -> list[str]:
+def _command(spec: dict, out: Path, extra: list[str] = ()) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
             "--dynamo_backend", "no", "--main_process_port", str(free_port()), "--use_deepspeed", "--num_processes",
             "1", str(DRIVER), "debug", "moe", json.dumps({**spec, "record": str(out / "recorded")}), "--", *FLAGS,
-            "--output-dir", str(out)]
+            "--output-dir", str(out), *extra]
+
+
+def run_one(spec: dict, out: Path, root: Path, extra: list[str]) -> None:
+    """One more run of the driver (e.g. a --resume), alone."""
+    home = root / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    with open(root / "run.log", "w") as log:
+        code = subprocess.run(_command(spec, out, extra), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                              env=launch_env(home, ADAPTIVE_CACHE=str(home / "cache")), timeout=600).returncode
+    assert code == 0, (root / "run.log").read_text()[-3000:]
 
 
 def start_fault_runs(root: Path) -> dict[str, Path]:

@@ -21,9 +21,10 @@ from adaptive.orchestrator.oom import RESTART_KEY, OOMConfig, OOMPolicy, next_ru
 from tests.orchestrator._harness import knobs
 
 
-def stats(counts, dropped, skip=None, agree=None):
+def stats(counts, dropped, skip=None, agree=None, entropy=None):
     return SimpleNamespace(router_stats=SimpleNamespace(
         expert_counts=torch.tensor(counts), dropped_fraction=torch.tensor(dropped),
+        router_entropy=None if entropy is None else torch.tensor(entropy),
         mod_skip_rate=None if skip is None else torch.tensor(skip),
         mod_router_agreement=None if agree is None else torch.tensor(agree)))
 
@@ -32,8 +33,8 @@ def test_the_monitor_sums_micro_batches_on_the_device_and_summarises_the_window(
     monitor = Monitor(MonitorConfig(every=2))
     state = TrainerState(max_steps=4, knobs=knobs(), output_dir=None)
     control = Control()
-    micro = [stats([[6, 2, 0, 0], [2, 2, 2, 2]], [0.25, 0.0], [0.5], [0.75]),
-             stats([[2, 2, 0, 0], [4, 0, 2, 2]], [0.75, 0.0], [0.25], [1.0])]
+    micro = [stats([[6, 2, 0, 0], [2, 2, 2, 2]], [0.25, 0.0], [0.5], [0.75], [0.5, 0.75]),
+             stats([[2, 2, 0, 0], [4, 0, 2, 2]], [0.75, 0.0], [0.25], [1.0], [0.25, 0.75])]
     for step in (1, 2):
         monitor.on_step_start(state, control)
         for i, out in enumerate(micro):
@@ -48,11 +49,26 @@ def test_the_monitor_sums_micro_batches_on_the_device_and_summarises_the_window(
     assert s.expert_counts == [[16, 8, 0, 0], [12, 4, 8, 8]]
     assert s.max_vio == [pytest.approx((16 - 6) / 6), pytest.approx((12 - 8) / 8)]
     assert s.dead_experts == [2, 0]
-    assert s.router_entropy[0] == pytest.approx(-(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3)) / math.log(4))
+    assert s.load_entropy[0] == pytest.approx(-(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3)) / math.log(4))
+    assert s.router_entropy == pytest.approx([0.375, 0.75]), "the model's per-token entropy, averaged"
     assert s.dropped_fraction == pytest.approx([0.5, 0.0]) and s.mod_skip_rate == pytest.approx([0.375])
     assert s.mod_router_agreement == pytest.approx([0.875])
     assert s.loss == pytest.approx((2 + 2 + 4) / 3) and s.non_finite == 1, "the NaN micro-batch is counted apart"
     assert load_entropy([5, 5, 5, 5]) == pytest.approx(1.0)
+
+
+def test_router_entropy_is_the_mean_per_token_gate_entropy_not_the_load_entropy():
+    from adaptive.models.moe import route
+
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [8.0, 0.0, 0.0, 0.0], [8.0, 0.0, 0.0, 0.0]])
+    stats_ = route(logits, 1, None, 1).stats
+    probs = logits.softmax(-1)
+    by_hand = (-(probs * probs.log()).sum(-1)).mean() / math.log(4)
+    assert stats_.gate_entropy.item() == pytest.approx(by_hand.item(), rel=1e-5)
+    assert stats_.expert_counts.tolist() == [4, 0, 0, 0], "every token picks expert 0: load entropy 0"
+    assert stats_.gate_entropy.item() > 0.5, "yet the two undecided tokens keep the per-token entropy high"
+    used = torch.tensor([True, True, False, False])  # padding is left out
+    assert route(logits, 1, None, 1, used=used).stats.gate_entropy.item() == pytest.approx(1.0, rel=1e-5)
 
 
 def test_a_failed_try_does_not_count_twice():
