@@ -249,8 +249,8 @@ def run(args: RunArgs, callbacks: list[Callback] | None = None) -> TrainerState:
         else:
             restore(state, loop, path)
             state.resumed_from = path
-            metrics.truncate_after(state.step)
             logger.info("resumed from %s at step %d", path, state.step)
+    metrics.truncate_after(state.step if state.resumed_from else None)
     write_run_files(state, loop)
     metrics.write({"kind": "start", "step": state.step, **plan.summary(),
                    "params_total": plan.plan.counts.total, "params_active": plan.plan.counts.active,

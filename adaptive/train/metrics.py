@@ -243,18 +243,21 @@ class MetricsWriter:
             f.flush()
             os.fsync(f.fileno())
 
-    def truncate_after(self, step: int) -> None:
-        """On resume: drop records of steps after the checkpoint, which the run will redo."""
+    def truncate_after(self, step: int | None) -> None:
+        """On resume: keep the records written before the first one of a later step; what follows is the
+        abandoned history the run redoes (a rollback's records at earlier steps too). `None`: a fresh run
+        in an old folder, which starts an empty file."""
         if not self.enabled or not self.path.exists():
             return
         kept = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+        for line in self.path.read_text(encoding="utf-8").splitlines() if step is not None else []:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut short by a crash
-            if record.get("step", 0) <= step:
-                kept.append(line)
+            if record.get("step", 0) > step:
+                break
+            kept.append(line)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         os.replace(tmp, self.path)

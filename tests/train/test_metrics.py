@@ -77,5 +77,12 @@ def test_metrics_file_writes_null_for_nan_and_truncates_redone_steps_on_resume(t
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[2])["loss"] is None
     writer.truncate_after(2)
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+    # a rollback to step 1 is recorded after step 2: on resume from step 2 it belongs to the abandoned history
+    writer.write({"kind": "train", "step": 3})
+    writer.write({"kind": "rollback", "step": 1})
+    writer.truncate_after(2)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+    writer.truncate_after(None)  # a fresh run in an old folder
+    assert read_metrics(tmp_path / "metrics.jsonl") == []
     MetricsWriter(tmp_path / "other", enabled=False).write({"kind": "start"})  # other ranks write nothing
     assert not (tmp_path / "other").exists()
