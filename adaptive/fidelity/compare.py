@@ -49,7 +49,8 @@ def compare(request: FitRequest, model_arg: str, *, zero_stage: int = 0, micro_b
     buckets = reduce_bucket_elements(count_params(request.spec)) if zero_stage in (1, 2) else 0
     dtype = "bf16" if request.gpu.bf16 else "fp16"
     m = measure_step(request.spec, setup.seq_len, micro_batch, checkpointing, zero_stage=zero_stage, dtype=dtype,
-                     hf_config=hf_config, bucket_elements=buckets, full_depth=full_depth)
+                     hf_config=hf_config, bucket_elements=buckets, full_depth=full_depth,
+                     capacity_factor=request.capacity_factor)
     p = predicted.parts
     parts = (
         PartComparison("activations (saved for backward)", p["activations"] + p["logits_and_loss"],

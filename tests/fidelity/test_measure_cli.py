@@ -39,6 +39,29 @@ def test_measure_bad_input_exits_2_with_one_line():
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: unknown model 'debg'; did you mean debug?"]
 
 
+def test_config_transformers_refuses_exits_2_with_one_line(tmp_path):
+    cfg = tmp_path / "config.json"  # head_dim given, but transformers' Llama wants hidden % heads == 0
+    cfg.write_text(json.dumps(dict(model_type="llama", vocab_size=1000, hidden_size=384, intermediate_size=1000,
+                                   num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, head_dim=64)))
+    r = adaptive("measure", "--model", str(cfg), "--seq-len", "64")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+    assert r.stderr.startswith("error: transformers cannot build this llama config.json")
+
+
+def test_unwritable_calibration_path_is_refused_before_measuring(tmp_path):
+    r = adaptive("measure", "--model", "debug", "--seq-len", "64", "--save-calibration",
+                 str(tmp_path / "missing" / "c.json"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "does not exist" in r.stderr
+
+
+def test_measure_takes_the_mod_capacity(tmp_path):
+    r = adaptive("measure", "--model", "debug", "--arch", "mod", "--mod-capacity", "0.25", "--seq-len", "256",
+                 "--checkpointing", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(r.stdout)
+    assert "MoD capacity 0.25" in d["method"] and abs(d["worst_error"]) < 0.05
+
+
 def test_calibration_replaces_the_formula_for_a_model_it_does_not_cover(tmp_path):
     """Qwen2-MoE's shared expert is not in our formula; a calibration measured at micro-batch 1 makes
     the plan for micro-batch 2 match a measurement at micro-batch 2."""
@@ -62,6 +85,7 @@ def test_calibration_for_another_model_is_refused(tmp_path):
     bad = adaptive("fit", "--model", "debug", "--arch", "moe", "--gpu", "t4", "--calibrate", str(tmp_path / "c.json"))
     assert bad.returncode == 2 and "measured for another model" in bad.stderr
     good = adaptive("fit", "--model", "debug", "--gpu", "t4", "--calibrate", str(tmp_path / "c.json"), "--json")
+    assert good.returncode in (0, 1), good.stderr[-2000:]
     assert json.loads(good.stdout)["assumptions"]["activations"].startswith("measured")
 
 
@@ -73,3 +97,15 @@ def test_gpu_check_runs_on_the_cpu_in_dry_run(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = out.read_text().splitlines()
     assert sum(line.startswith("| b1 | hybrid |") for line in rows) == 1  # MoE + MoD + dense layers
+
+
+def test_calibration_measured_at_another_capacity_factor_is_refused(tmp_path):
+    from adaptive.errors import AdaptiveError
+    from adaptive.plan.calibration import Calibration, signature
+
+    spec = make_request(model="debug", arch="moe", gpu="t4").spec
+    path = tmp_path / "c.json"
+    path.write_text(to_json(Calibration(signature(spec), 512, (100.0, 10.0), (200.0, 20.0), "by hand", 1.0)))
+    assert make_request(model="debug", arch="moe", gpu="t4", calibrate=str(path)).calibration.capacity_factor == 1.0
+    with pytest.raises(AdaptiveError, match="capacity factor 1, not 2"):
+        make_request(model="debug", arch="moe", gpu="t4", capacity_factor=2.0, calibrate=str(path))
