@@ -117,3 +117,12 @@ def test_dense_hf_config_planned_as_our_variant_is_measured_as_that_variant(tmp_
     report = check(record_error, request, str(path), "hf llama as moe", zero_stage=2, micro_batch=1)
     assert report.measurement.method.startswith("the adaptive model class")
 
+
+def test_qwen2_moe_shared_expert_is_in_the_formula(tmp_path, record_error):
+    cfg = dict(model_type="qwen2_moe", vocab_size=5003, hidden_size=256, intermediate_size=640, num_hidden_layers=3,
+               num_attention_heads=8, num_key_value_heads=4, num_experts=6, num_experts_per_tok=3,
+               moe_intermediate_size=96, shared_expert_intermediate_size=768)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    request = make_request(model=str(path), gpu="a100-80gb", seq_len=512)
+    check(record_error, request, str(path), "hf qwen2_moe shared expert 768", zero_stage=2, micro_batch=2)
