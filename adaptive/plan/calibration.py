@@ -10,6 +10,7 @@ the file records the sequence it was measured at, and a plan at another sequence
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,8 @@ def load(path: str | Path, spec: ModelSpec, capacity_factor: float = 1.0) -> Cal
     path = Path(path)
     try:
         data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise TypeError(f"expected a JSON object, got {type(data).__name__}")
         if data.get("kind") != KIND:
             raise KeyError("kind")
         act = data["activation_bytes_per_token"]
@@ -69,9 +72,14 @@ def load(path: str | Path, spec: ModelSpec, capacity_factor: float = 1.0) -> Cal
                         backward_bytes_per_token=(float(bwd["no_checkpointing"]), float(bwd["checkpointing"])),
                         method=str(data.get("method", "")),
                         capacity_factor=float(data.get("capacity_factor", 1.0)))
+        figures = (*c.activation_bytes_per_token, *c.backward_bytes_per_token, c.seq_len, c.capacity_factor)
+        if not all(math.isfinite(v) and v > 0 for v in figures):
+            raise ValueError(f"bytes per token, seq_len and capacity_factor must be positive numbers, got {figures}")
     except FileNotFoundError:
         raise AdaptiveError(f"calibration file {str(path)!r} does not exist; write one with "
                             "`adaptive measure ... --save-calibration FILE`") from None
+    except OSError as e:
+        raise AdaptiveError(f"cannot read calibration file {str(path)!r}: {e.strerror}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise AdaptiveError(f"malformed calibration file {str(path)!r}: {e}") from None
     if c.model_signature != signature(spec):
