@@ -194,7 +194,8 @@ def build_model(spec: ModelSpec, hf_config: dict | None, dtype: torch.dtype, che
 class EmulatedZeroOptimizer:
     """DeepSpeed's single-GPU mixed-precision state layout around a fused torch AdamW (module doc)."""
 
-    def __init__(self, model: torch.nn.Module, zero_stage: int, bucket_elements: int):
+    def __init__(self, model: torch.nn.Module, zero_stage: int, bucket_elements: int | tuple[int, ...]):
+        """`bucket_elements`: one size for ZeRO-1/2's two reduce buckets, or the size of each buffer."""
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.master = [p.detach().float().requires_grad_(True) for p in self.params]
         self.optimizer = torch.optim.AdamW(self.master, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
@@ -203,7 +204,8 @@ class EmulatedZeroOptimizer:
         if self.partitioned:
             self.grad_partition = [torch.zeros_like(p) for p in self.params]
             dtype = self.params[0].dtype
-            self.buckets = [torch.empty(max(bucket_elements, 1), dtype=dtype) for _ in range(2)]
+            sizes = bucket_elements if isinstance(bucket_elements, tuple) else (bucket_elements,) * 2
+            self.buckets = [torch.empty(max(n, 1), dtype=dtype) for n in sizes]
             for p, g in zip(self.params, self.grad_partition):
                 p.register_post_accumulate_grad_hook(_move_grad_into(g))
 
@@ -231,7 +233,7 @@ def _move_grad_into(buffer: torch.Tensor):
 
 
 def run_phases(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool, *, zero_stage: int = 0,
-               dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int = 0,
+               dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int | tuple[int, ...] = 0,
                capacity_factor: float = 1.0) -> Phases:
     """Two training steps on fake tensors; the second (optimizer states exist by then) is measured."""
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -284,7 +286,7 @@ def pattern_period(spec: ModelSpec, hf_config: dict | None) -> int:
 
 
 def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool, *, zero_stage: int = 0,
-                 dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int = 0,
+                 dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int | tuple[int, ...] = 0,
                  full_depth: bool = False, capacity_factor: float = 1.0) -> Measurement:
     """Measure at full depth, or at two depths (2 and 4 repeats of the layer pattern) extrapolated."""
     if not transformers_class_builds(spec, hf_config):
