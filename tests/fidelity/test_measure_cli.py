@@ -92,11 +92,22 @@ def test_calibration_for_another_model_is_refused(tmp_path):
 def test_gpu_check_runs_on_the_cpu_in_dry_run(tmp_path):
     out = tmp_path / "table.md"
     r = subprocess.run([sys.executable, str(REPO_ROOT / "bench/gpu_check.py"), "--dry-run",
-                        "--only", "b1_hybrid", "--out", str(out)],
+                        "--only", "b1_hybrid,b7_dense", "--out", str(out)],
                        capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = out.read_text().splitlines()
-    assert sum(line.startswith("| b1 | hybrid |") for line in rows) == 1  # MoE + MoD + dense layers
+    assert sum(line.startswith("| b1 | hybrid |") for line in rows) == 2  # MoE + MoD + dense layers, 2 micro-batches
+    offload = [line for line in rows if line.startswith("| b7 | dense | 2 / optimizer |")]
+    assert len(offload) == 2 and all(line.endswith("| torch AdamW (CPU) |") for line in offload)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_gpu_check_without_cuda_says_so_in_one_line():
+    r = subprocess.run([sys.executable, str(REPO_ROOT / "bench/gpu_check.py")], capture_output=True, text=True,
+                       env=subprocess_env(), timeout=300)
+    lines = [line for line in r.stderr.strip().splitlines() if "[WARNING]" not in line]
+    assert r.returncode == 1 and lines == [line for line in lines if line.startswith("gpu_check: no CUDA GPU")]
+    assert len(lines) == 1 and "Traceback" not in r.stderr
 
 
 def test_calibration_measured_at_another_capacity_factor_is_refused(tmp_path):
