@@ -303,6 +303,11 @@ def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing:
             f"{f', MoD capacity {spec.mod_capacity:g}' if spec.is_mod else ''}: two training steps "
             f"(forward, backward, fused AdamW on fp32 master weights) in DeepSpeed ZeRO-{zero_stage}'s one-GPU "
             f"state layout; activations from saved_tensors_hooks, bytes from a storage-lifetime counter")
+    if zero_stage == 0 and not full_depth and total > d2:
+        # ZeRO-0's backward peak is activations still held plus 16-bit gradients already accumulated, a
+        # maximum that is not linear in depth: extrapolated b7 read 13.05 GiB, all 32 layers 13.50 GiB
+        full_depth = True
+        what += "; ZeRO-0's backward peak does not extrapolate with depth"
     if full_depth or total <= d2:
         phases = run_phases(spec, seq_len, micro_batch, checkpointing, **kw)
         return Measurement(phases, f"{what}; all {total} layers built", (total,), total)

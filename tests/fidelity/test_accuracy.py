@@ -134,3 +134,11 @@ def test_zero3_layout_keeps_its_buffers_and_says_what_is_left_out(record_error):
     request = make_request(model="debug", arch="dense", gpu="a100-80gb", seq_len=512)
     report = check(record_error, request, "debug", "debug dense ZeRO-3", zero_stage=3, micro_batch=2)
     assert "gathered-parameter buffer" in report.measurement.method
+
+
+def test_zero0_is_measured_at_full_depth():
+    """Extrapolating ZeRO-0's backward peak from 2 and 4 layers read b7 at 13.05 GiB; all 32 layers hold
+    13.50 GiB (gradients accumulated while activations are freed). debug_200m: 12 layers."""
+    spec = preset_spec("debug_200m", "dense")
+    m = measure_step(spec, 256, 1, False, zero_stage=0)
+    assert m.depths == (12,) and "does not extrapolate" in m.method
