@@ -37,6 +37,8 @@ def test_measure_json_reports_each_part_with_its_error():
 def test_measure_bad_input_exits_2_with_one_line():
     r = adaptive("measure", "--model", "debg", "--gpu", "a100")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: unknown model 'debg'; did you mean debug?"]
+    r = adaptive("measure", "--model", "debug", "--arch", "moe", "--zero", "3")  # a layout no MoE plan has
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[0].startswith("error: --zero 3 is impossible for MoE")
 
 
 def test_config_transformers_refuses_exits_2_with_one_line(tmp_path):
