@@ -85,3 +85,14 @@ def test_our_own_exported_config_plans_with_the_saved_models_counts(tmp_path, ar
     spec = spec_from_hf_config(str(tmp_path / "config.json"))
     assert spec.arch == arch and spec.name == "debug"
     assert count_params(spec).total == sum(p.numel() for p in model.parameters())
+
+
+def test_head_shapes_transformers_cannot_build_are_refused(tmp_path):
+    """Mixtral with hidden 256 and 12 heads planned at head_dim 21, then crashed in transformers' RoPE."""
+    with pytest.raises(AdaptiveError, match=r"hidden_size \(256\) is not divisible by num_attention_heads \(12\)"):
+        spec_from_hf_config(write(tmp_path, dict(CONFIGS["mixtral"], num_attention_heads=12, num_key_value_heads=4)))
+    with pytest.raises(AdaptiveError, match=r"head_dim \(21\) must be even"):
+        spec_from_hf_config(write(tmp_path, dict(CONFIGS["mixtral"], head_dim=21)))
+    spec = spec_from_hf_config(write(tmp_path, dict(CONFIGS["llama"], num_attention_heads=9, num_key_value_heads=3,
+                                                     head_dim=64, hidden_size=360)))
+    assert spec.head_dim == 64  # an explicit head_dim with hidden % heads == 0 is fine
