@@ -21,6 +21,7 @@ def measure(
                                                 help="Full activation checkpointing.")] = False,
     zero: Annotated[int, typer.Option(help="ZeRO stage whose one-GPU state layout is emulated (0-3).")] = 0,
     capacity_factor: Annotated[float, typer.Option(help="MoE capacity factor.")] = 1.0,
+    mod_capacity: Annotated[Optional[float], typer.Option(help="MoD capacity (fraction of tokens routed).")] = None,
     full_depth: Annotated[bool, typer.Option("--full-depth",
                                              help="Build every layer instead of extrapolating from 2 depths.")] = False,
     save_calibration: Annotated[Optional[str], typer.Option(
@@ -30,15 +31,16 @@ def measure(
     json_output: Json = False,
 ) -> None:
     """Measure memory of a real training step with fake tensors (no memory, no GPU), next to the plan."""
-    from adaptive.errors import AdaptiveError
     from adaptive.plan.planner import validate
 
     request = make_request(model=model, gpu=gpu or ("a100-80gb" if gpu_mem is None else None), arch=arch,
                            seq_len=seq_len, micro_batch=micro_batch, capacity_factor=capacity_factor,
-                           gpu_mem_gib=gpu_mem, gpu_tflops=gpu_tflops)
-    validate(request)
-    if zero not in (0, 1, 2, 3):
-        raise AdaptiveError(f"--zero must be 0, 1, 2 or 3, got {zero}")
+                           mod_capacity=mod_capacity, zero=zero, gpu_mem_gib=gpu_mem, gpu_tflops=gpu_tflops)
+    validate(request)  # the ZeRO stage too: 0-3, and not 3 for MoE
+    if save_calibration:  # before minutes of measuring, not after
+        from adaptive.fidelity.calibrate import check_writable
+
+        check_writable(save_calibration)
     from adaptive.fidelity.compare import compare, report_dict  # torch: only now
 
     report = compare(request, model, zero_stage=zero, micro_batch=micro_batch, checkpointing=checkpointing,

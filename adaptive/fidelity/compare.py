@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from adaptive.fidelity.measure import Measurement, measure_step
 from adaptive.plan.hf_config import looks_like_path, read_config_json
-from adaptive.plan.memory import TrainSetup, estimate_memory, reduce_bucket_elements
+from adaptive.plan.memory import STAGE3_PREFETCH_ELEMENTS, TrainSetup, estimate_memory, reduce_bucket_elements
 from adaptive.plan.params import count_params
 from adaptive.plan.planner import FitRequest
 
@@ -46,18 +46,34 @@ def compare(request: FitRequest, model_arg: str, *, zero_stage: int = 0, micro_b
     hf_config = read_config_json(model_arg) if looks_like_path(model_arg) else None
     setup = setup_for(request, zero_stage, micro_batch, checkpointing)
     predicted = estimate_memory(setup)
-    buckets = reduce_bucket_elements(count_params(request.spec)) if zero_stage in (1, 2) else 0
+    counts = count_params(request.spec)
+    buckets: int | tuple[int, ...] = 0
+    if zero_stage in (1, 2):
+        buckets = reduce_bucket_elements(counts)  # two, double-buffered
+    elif zero_stage == 3:
+        buckets = (reduce_bucket_elements(counts), min(STAGE3_PREFETCH_ELEMENTS, counts.total))
     dtype = "bf16" if request.gpu.bf16 else "fp16"
     m = measure_step(request.spec, setup.seq_len, micro_batch, checkpointing, zero_stage=zero_stage, dtype=dtype,
-                     hf_config=hf_config, bucket_elements=buckets, full_depth=full_depth)
+                     hf_config=hf_config, bucket_elements=buckets, full_depth=full_depth,
+                     capacity_factor=request.capacity_factor)
     p = predicted.parts
+    # ZeRO-3 gathers each layer's parameters during forward and backward (4 bytes x the largest layer in
+    # the plan). That is DeepSpeed's runtime, which a one-process fake step does not run: left out of
+    # both sides, and the method says so.
+    live = p["zero3_live_params"]
+    backward, peak = predicted.backward_bytes - live, predicted.persistent_bytes + max(
+        predicted.backward_bytes - live, predicted.step_bytes)
+    if live:
+        m = replace(m, method=f"{m.method}; ZeRO-3's gathered-parameter buffer ({live / 2**30:.3f} GiB in the "
+                              "plan) is DeepSpeed runtime this step does not run, so it is left out of the "
+                              "backward and peak figures on both sides")
     parts = (
         PartComparison("activations (saved for backward)", p["activations"] + p["logits_and_loss"],
                        m.phases.activations),
-        PartComparison("backward phase (activations + working set)", predicted.backward_bytes, m.phases.backward),
+        PartComparison("backward phase (activations + working set)", backward, m.phases.backward),
         PartComparison("model states and buffers between steps", predicted.persistent_bytes, m.phases.persistent),
         PartComparison("optimizer step (fp32 gradients)", predicted.step_bytes, m.phases.step),
-        PartComparison("peak (allocated, no allowances)", predicted.allocated_peak_bytes, m.peak_bytes),
+        PartComparison("peak (allocated, no allowances)", peak, m.peak_bytes),
     )
     return FidelityReport(setup, m, parts)
 

@@ -32,6 +32,13 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+try:
+    from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates configs with it
+except ImportError:  # pragma: no cover - older huggingface_hub
+    StrictDataclassError = ValueError
+
+from adaptive.errors import AdaptiveError
+from adaptive.plan.hf_config import MOE_TYPES
 from adaptive.plan.presets import ModelSpec, layer_pattern
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -122,36 +129,57 @@ def is_parameter_view(t: torch.Tensor) -> bool:
 
 @contextlib.contextmanager
 def count_saved_bytes(result: dict):
-    """Counts unique storages autograd saves, parameters excluded, into result["bytes"]."""
-    seen: dict[int, int] = {}
+    """Bytes of the unique storages autograd saved (parameters excluded) that are still alive when the
+    block ends, into result["bytes"]: what the graph holds at the end of the forward pass."""
+    seen: dict[int, tuple[weakref.ref, int]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if not is_parameter_view(t):
             storage = t.untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
-        return t
+            seen[storage._cdata] = (weakref.ref(storage), storage.nbytes())
+        # Detached: a saved *output* that kept its grad_fn would form a node -> saved tensor -> node
+        # cycle, keeping the never-run router-statistics branch alive past backward (measured: 180
+        # bytes/token in debug MoE). The same storage is kept, so lifetimes are as without the hook.
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield
-    result["bytes"] = sum(seen.values())
+    result["bytes"] = sum(nbytes for ref, nbytes in seen.values() if ref() is not None)
+
+
+def transformers_class_builds(spec: ModelSpec, hf_config: dict | None) -> bool:
+    """Whether transformers' class for this config.json is the model planned. A dense config planned
+    as our MoE/MoD/hybrid variant of its shape (`--arch`) is built with our class instead."""
+    if hf_config is None or hf_config.get("model_type") == "adaptive":
+        return False
+    return spec.arch == "dense" or hf_config.get("model_type") in MOE_TYPES
 
 
 def build_model(spec: ModelSpec, hf_config: dict | None, dtype: torch.dtype, checkpointing: bool,
-                attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """Our model class for presets and our exports; transformers' class for other HF configs."""
+                attn_implementation: str = "sdpa", capacity_factor: float = 1.0) -> torch.nn.Module:
+    """Our model class for presets, our exports and our variants; transformers' class for other HF configs."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        if hf_config is not None and hf_config.get("model_type") != "adaptive":
+        if transformers_class_builds(spec, hf_config):
             from transformers import AutoConfig, AutoModelForCausalLM
 
-            cfg = AutoConfig.for_model(**hf_config)
-            cfg._attn_implementation = attn_implementation
-            model = AutoModelForCausalLM.from_config(cfg)
+            if capacity_factor != 1.0 and spec.is_moe:
+                raise AdaptiveError(f"--capacity-factor {capacity_factor} does not apply to transformers' "
+                                    f"{hf_config['model_type']} class, which drops no tokens; leave it at 1.0")
+            try:
+                cfg = AutoConfig.for_model(**hf_config)
+                cfg._attn_implementation = attn_implementation
+                model = AutoModelForCausalLM.from_config(cfg)
+            except (ValueError, TypeError, StrictDataclassError) as e:
+                reason = " ".join(str(e).split())
+                raise AdaptiveError(f"transformers cannot build this {hf_config['model_type']} config.json: "
+                                    f"{reason}") from None
         else:
             from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
 
-            model = AdaptiveForCausalLM(AdaptiveConfig.from_spec(spec))
+            overrides = {"capacity_factor": capacity_factor} if spec.is_moe else {}
+            model = AdaptiveForCausalLM(AdaptiveConfig.from_spec(spec, **overrides))
     finally:
         torch.set_default_dtype(previous)
     model.train()
@@ -166,7 +194,8 @@ def build_model(spec: ModelSpec, hf_config: dict | None, dtype: torch.dtype, che
 class EmulatedZeroOptimizer:
     """DeepSpeed's single-GPU mixed-precision state layout around a fused torch AdamW (module doc)."""
 
-    def __init__(self, model: torch.nn.Module, zero_stage: int, bucket_elements: int):
+    def __init__(self, model: torch.nn.Module, zero_stage: int, bucket_elements: int | tuple[int, ...]):
+        """`bucket_elements`: one size for ZeRO-1/2's two reduce buckets, or the size of each buffer."""
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.master = [p.detach().float().requires_grad_(True) for p in self.params]
         self.optimizer = torch.optim.AdamW(self.master, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
@@ -175,7 +204,8 @@ class EmulatedZeroOptimizer:
         if self.partitioned:
             self.grad_partition = [torch.zeros_like(p) for p in self.params]
             dtype = self.params[0].dtype
-            self.buckets = [torch.empty(max(bucket_elements, 1), dtype=dtype) for _ in range(2)]
+            sizes = bucket_elements if isinstance(bucket_elements, tuple) else (bucket_elements,) * 2
+            self.buckets = [torch.empty(max(n, 1), dtype=dtype) for n in sizes]
             for p, g in zip(self.params, self.grad_partition):
                 p.register_post_accumulate_grad_hook(_move_grad_into(g))
 
@@ -203,22 +233,25 @@ def _move_grad_into(buffer: torch.Tensor):
 
 
 def run_phases(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool, *, zero_stage: int = 0,
-               dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int = 0) -> Phases:
+               dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int | tuple[int, ...] = 0,
+               capacity_factor: float = 1.0) -> Phases:
     """Two training steps on fake tensors; the second (optimizer states exist by then) is measured."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         tracker = PeakBytes()
         with tracker:
-            model = build_model(spec, hf_config, DTYPES[dtype], checkpointing)
+            model = build_model(spec, hf_config, DTYPES[dtype], checkpointing, capacity_factor=capacity_factor)
             optimizer = EmulatedZeroOptimizer(model, zero_stage, bucket_elements)
             ids = torch.randint(0, spec.vocab_size, (micro_batch, seq_len))
             saved: dict = {}
             for last in (False, True):
                 persistent = tracker.current
                 tracker.reset_peak()
+                # As in our training loop: the output, less its logits, stays alive through backward
+                # (the loop reads the router statistics after it), so what the statistics hold counts.
                 with count_saved_bytes(saved) if last else contextlib.nullcontext():
-                    loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                del loss
+                    output = replace(model(input_ids=ids, labels=ids), logits=None)
+                output.loss.backward()
+                del output
                 backward = tracker.peak - persistent
                 tracker.reset_peak()
                 optimizer.step()
@@ -253,18 +286,28 @@ def pattern_period(spec: ModelSpec, hf_config: dict | None) -> int:
 
 
 def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool, *, zero_stage: int = 0,
-                 dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int = 0,
-                 full_depth: bool = False) -> Measurement:
+                 dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int | tuple[int, ...] = 0,
+                 full_depth: bool = False, capacity_factor: float = 1.0) -> Measurement:
     """Measure at full depth, or at two depths (2 and 4 repeats of the layer pattern) extrapolated."""
-    kw = dict(zero_stage=zero_stage, dtype=dtype, hf_config=hf_config, bucket_elements=bucket_elements)
+    if not transformers_class_builds(spec, hf_config):
+        hf_config = None  # our class, built from the spec
+    kw = dict(zero_stage=zero_stage, dtype=dtype, hf_config=hf_config, bucket_elements=bucket_elements,
+              capacity_factor=capacity_factor)
     total = spec.num_hidden_layers
     period = pattern_period(spec, hf_config)
     d1, d2 = 2 * period, 4 * period
     name = hf_config["model_type"] if hf_config and hf_config.get("model_type") != "adaptive" else "adaptive"
     what = (f"the {name} model class on fake tensors (no memory), {dtype}, micro-batch {micro_batch} x "
-            f"sequence {seq_len}{', full activation checkpointing' if checkpointing else ''}: two training steps "
+            f"sequence {seq_len}{', full activation checkpointing' if checkpointing else ''}"
+            f"{f', MoE capacity factor {capacity_factor:g}' if spec.is_moe and hf_config is None else ''}"
+            f"{f', MoD capacity {spec.mod_capacity:g}' if spec.is_mod else ''}: two training steps "
             f"(forward, backward, fused AdamW on fp32 master weights) in DeepSpeed ZeRO-{zero_stage}'s one-GPU "
             f"state layout; activations from saved_tensors_hooks, bytes from a storage-lifetime counter")
+    if zero_stage == 0 and not full_depth and total > d2:
+        # ZeRO-0's backward peak is activations still held plus 16-bit gradients already accumulated, a
+        # maximum that is not linear in depth: extrapolated b7 read 13.05 GiB, all 32 layers 13.50 GiB
+        full_depth = True
+        what += "; ZeRO-0's backward peak does not extrapolate with depth"
     if full_depth or total <= d2:
         phases = run_phases(spec, seq_len, micro_batch, checkpointing, **kw)
         return Measurement(phases, f"{what}; all {total} layers built", (total,), total)

@@ -46,10 +46,13 @@ def moe_layer_bytes(s: ModelSpec, tokens: int, capacity_factor: float) -> float:
     bool mask (E); routing indices, weights and masks (31k bytes for top-k); the combine's gathered
     expert outputs (2kh). Per capacity slot (E·C of them): the dispatched input (2h), the expert's
     SwiGLU (8f) and the slot's source index (8). Per layer: the fp32 copy of the router weight (4Eh).
+    A Qwen2-MoE shared expert adds its SwiGLU over every token (8 bytes per unit of its width; measured
+    slope 8.00 on transformers' class; its sigmoid gate's few bytes are within the router terms' error).
     """
     h, e, k, f = s.hidden_size, s.num_local_experts, s.num_experts_per_tok, s.moe_intermediate_size
     slots = e * expert_capacity(tokens, s, capacity_factor)
-    per_token = attention_half_bytes(s) + 6 * h + 4 + 4 * h + 9 * e + 4 + 31 * k + 2 * k * h
+    per_token = (attention_half_bytes(s) + 6 * h + 4 + 4 * h + 9 * e + 4 + 31 * k + 2 * k * h
+                 + 8 * s.shared_expert_intermediate_size)
     return tokens * per_token + slots * (2 * h + 8 * f + 8) + 4 * e * h + 4 * e + 8
 
 

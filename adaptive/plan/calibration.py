@@ -10,6 +10,7 @@ the file records the sequence it was measured at, and a plan at another sequence
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ class Calibration:
     activation_bytes_per_token: tuple[float, float]  # (no checkpointing, full checkpointing)
     backward_bytes_per_token: tuple[float, float]  # backward-phase bytes (activations + working set)
     method: str
+    capacity_factor: float = 1.0  # MoE capacity factor the model was measured at
 
     def activation_bytes(self, tokens: int, checkpointing: bool) -> int:
         return int(self.activation_bytes_per_token[checkpointing] * tokens)
@@ -50,14 +52,17 @@ def to_json(c: Calibration) -> str:
                                                       "checkpointing": c.activation_bytes_per_token[1]},
                        "backward_bytes_per_token": {"no_checkpointing": c.backward_bytes_per_token[0],
                                                     "checkpointing": c.backward_bytes_per_token[1]},
-                       "method": c.method}, indent=2) + "\n"
+                       "capacity_factor": c.capacity_factor, "method": c.method}, indent=2) + "\n"
 
 
-def load(path: str | Path, spec: ModelSpec) -> Calibration:
-    """Read a calibration file for `spec`; AdaptiveError when it is malformed or for another model."""
+def load(path: str | Path, spec: ModelSpec, capacity_factor: float = 1.0) -> Calibration:
+    """Read a calibration file for `spec`; AdaptiveError when it is malformed or for another model or
+    MoE capacity factor."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise TypeError(f"expected a JSON object, got {type(data).__name__}")
         if data.get("kind") != KIND:
             raise KeyError("kind")
         act = data["activation_bytes_per_token"]
@@ -65,13 +70,23 @@ def load(path: str | Path, spec: ModelSpec) -> Calibration:
         c = Calibration(model_signature=str(data["model_signature"]), seq_len=int(data["seq_len"]),
                         activation_bytes_per_token=(float(act["no_checkpointing"]), float(act["checkpointing"])),
                         backward_bytes_per_token=(float(bwd["no_checkpointing"]), float(bwd["checkpointing"])),
-                        method=str(data.get("method", "")))
+                        method=str(data.get("method", "")),
+                        capacity_factor=float(data.get("capacity_factor", 1.0)))
+        figures = (*c.activation_bytes_per_token, *c.backward_bytes_per_token, c.seq_len, c.capacity_factor)
+        if not all(math.isfinite(v) and v > 0 for v in figures):
+            raise ValueError(f"bytes per token, seq_len and capacity_factor must be positive numbers, got {figures}")
     except FileNotFoundError:
         raise AdaptiveError(f"calibration file {str(path)!r} does not exist; write one with "
                             "`adaptive measure ... --save-calibration FILE`") from None
+    except OSError as e:
+        raise AdaptiveError(f"cannot read calibration file {str(path)!r}: {e.strerror}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise AdaptiveError(f"malformed calibration file {str(path)!r}: {e}") from None
     if c.model_signature != signature(spec):
         raise AdaptiveError(f"calibration file {str(path)!r} was measured for another model "
                             f"({c.model_signature}); measure this one with adaptive measure")
+    if spec.is_moe and c.capacity_factor != capacity_factor:
+        raise AdaptiveError(f"calibration file {str(path)!r} was measured at MoE capacity factor "
+                            f"{c.capacity_factor:g}, not {capacity_factor:g}; measure again with "
+                            f"--capacity-factor {capacity_factor:g}")
     return c

@@ -72,7 +72,12 @@ def spec_from_hf_config(path: str | Path, arch: str | None = None) -> ModelSpec:
     heads = _field(cfg, "num_attention_heads", p)
     kv = _field(cfg, "num_key_value_heads", p, default=heads)
     layers = _field(cfg, "num_hidden_layers", p)
+    if not cfg.get("head_dim") and h % heads:
+        raise AdaptiveError(f"config.json {p!r}: hidden_size ({h}) is not divisible by num_attention_heads ({heads}) "
+                            "and no head_dim is given")
     head_dim = cfg.get("head_dim") or h // heads
+    if head_dim % 2:
+        raise AdaptiveError(f"config.json {p!r}: head_dim ({head_dim}) must be even; rotary embeddings rotate pairs")
     if heads % kv:
         raise AdaptiveError(f"config.json {p!r}: num_attention_heads ({heads}) must be divisible by num_key_value_heads ({kv})")
     name = cfg.get("_name_or_path") or _name_from_path(Path(p))

@@ -54,5 +54,5 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         micro_batch_size=micro_batch, grad_accum=grad_accum, gradient_checkpointing=checkpointing,
         ep_size=ep_size, capacity_factor=capacity_factor, mfu=mfu,
         host_mem_bytes=int(host_mem_gib * GiB) if host_mem_gib is not None else None,
-        calibration=load_calibration(calibrate, spec) if calibrate else None,
+        calibration=load_calibration(calibrate, spec, capacity_factor) if calibrate else None,
     )

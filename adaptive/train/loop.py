@@ -27,7 +27,7 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +165,9 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
         state.micro_step = i
         batch = {k: v[i * micro:(i + 1) * micro].to(loop.device, non_blocking=True) for k, v in step_batch.items()}
         engine.set_gradient_accumulation_boundary(i == accum - 1)
-        outputs = engine(**batch)
+        # Without the logits (tokens x vocab, 16-bit): nothing reads them after the loss, and holding
+        # them through backward costs memory the plan does not count (adaptive measure holds the same).
+        outputs = replace(engine(**batch), logits=None)
         loss = outputs.loss
         engine.backward(loss / accum, scale_wrt_gas=False)
         stats.add(outputs, loss)

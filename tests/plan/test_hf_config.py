@@ -116,3 +116,14 @@ def test_public_checkpoints_count_and_are_named_after_their_folder(tmp_path, nam
         assert spec.name == name  # not "config"
         counts = count_params(spec)
         assert (counts.total, counts.active) == (total, active)
+
+
+def test_head_shapes_transformers_cannot_build_are_refused(tmp_path):
+    """Mixtral with hidden 256 and 12 heads planned at head_dim 21, then crashed in transformers' RoPE."""
+    with pytest.raises(AdaptiveError, match=r"hidden_size \(256\) is not divisible by num_attention_heads \(12\)"):
+        spec_from_hf_config(write(tmp_path, dict(CONFIGS["mixtral"], num_attention_heads=12, num_key_value_heads=4)))
+    with pytest.raises(AdaptiveError, match=r"head_dim \(21\) must be even"):
+        spec_from_hf_config(write(tmp_path, dict(CONFIGS["mixtral"], head_dim=21)))
+    spec = spec_from_hf_config(write(tmp_path, dict(CONFIGS["llama"], num_attention_heads=9, num_key_value_heads=3,
+                                                     head_dim=64, hidden_size=360)))
+    assert spec.head_dim == 64  # an explicit head_dim with hidden % heads == 0 is fine
