@@ -6,8 +6,8 @@
     Monitor        monitor.py    router/loss signals on the device, summarised every N steps
     balance        balance.py    aux-loss-free expert balancing (selection bias, all ranks identical)
     capacity       capacity.py   capacity factor follows the dropped fraction, within the memory bound
-    oom            oom.py        the OOM ladder: halve micro-batch, then checkpointing, then a restart
-                                 with a shorter sequence
+    oom            oom.py        the OOM ladder: halve micro-batch, then checkpointing, then halve the
+                                 sequence (blocks cut into pieces); each time the step is redone
     guard          guard.py      NaN / loss-spike guard: skip, roll back, cool the LR
     ep             ep_advice.py  measured all-to-all share -> ep_size for the next launch
     EventSummary   events.py     events.jsonl and its end summary

@@ -14,9 +14,10 @@ The loop (`adaptive.train.loop.train`) calls these events, in this order:
 
     on_oom(error)   when a step raises an out-of-memory error (CUDA's, or any
                     torch.OutOfMemoryError). Set control.retry_step, usually with change_knobs
-                    {"micro_batch_size": m // 2, "gradient_accumulation_steps": 2 * a}, and the loop
-                    frees memory, discards the step's partial gradients and redoes the same optimizer
-                    step on the same samples; otherwise the error propagates.
+                    {"micro_batch_size": m // 2, "gradient_accumulation_steps": 2 * a} (or a seq_len
+                    that cuts each block into more pieces, with the accumulation to match), and the
+                    loop frees memory, discards the step's partial gradients and redoes the same
+                    optimizer step on the same samples (blocks); otherwise the error propagates.
 
 Callbacks read `TrainerState` (declared up front; the loop owns it) and ask for actions through
 `Control`; they never call into the loop. Every callback sees the same objects, in list order.
@@ -61,7 +62,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Knobs:
-    """The training settings in force. Only `RUNTIME` ones may change while training runs."""
+    """The training settings in force. Only `RUNTIME` ones may change while training runs.
+
+    The data are blocks of `block_len` tokens (the run's --seq-len; fixed for the whole run, and a
+    resume must keep it). `seq_len` is the sequence the model sees: it divides `block_len`, and each
+    block is cut into `pieces_per_block` consecutive pieces of `seq_len` tokens. Micro-batches count
+    pieces, so an optimizer step takes `samples_per_step` blocks from the data and runs
+    `sequences_per_step` pieces; its tokens do not depend on how the blocks are cut.
+    """
 
     micro_batch_size: int
     gradient_accumulation_steps: int
@@ -71,16 +79,36 @@ class Knobs:
     offload_optimizer: bool
     offload_params: bool
     ep_size: int
+    block_len: int = 0  # 0: seq_len (a run that never cut its blocks; checkpoints written before the field)
 
-    RUNTIME = ("micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing")
+    RUNTIME = ("micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "seq_len")
+
+    def __post_init__(self) -> None:
+        if not self.block_len:
+            object.__setattr__(self, "block_len", self.seq_len)
+
+    @property
+    def pieces_per_block(self) -> int:
+        return self.block_len // self.seq_len
+
+    @property
+    def sequences_per_step(self) -> int:
+        """This rank's sequences (pieces) per optimizer step: micro-batch x accumulation."""
+        return self.micro_batch_size * self.gradient_accumulation_steps
 
     @property
     def samples_per_step(self) -> int:
-        """This rank's samples per optimizer step."""
-        return self.micro_batch_size * self.gradient_accumulation_steps
+        """This rank's samples (data blocks) per optimizer step."""
+        return self.sequences_per_step // self.pieces_per_block
+
+    @property
+    def tokens_per_step(self) -> int:
+        """This rank's tokens per optimizer step."""
+        return self.sequences_per_step * self.seq_len
 
     def changed(self, changes: dict[str, Any]) -> Knobs:
-        """A copy with runtime knobs changed; AdaptiveError for unknown or fixed ones."""
+        """A copy with runtime knobs changed; AdaptiveError for unknown or fixed ones, a sequence that
+        does not divide the block, or a step that would not hold whole blocks."""
         for key, value in changes.items():
             if key not in self.RUNTIME:
                 raise AdaptiveError(
@@ -88,7 +116,18 @@ class Knobs:
                 )
             if key != "gradient_checkpointing" and (not isinstance(value, int) or value < 1):
                 raise AdaptiveError(f"knob {key} must be a positive integer, got {value!r}")
-        return replace(self, **changes)
+        new = replace(self, **changes)
+        if new.block_len % new.seq_len:
+            divisors = [d for d in range(1, new.block_len + 1) if new.block_len % d == 0]
+            nearest = min(divisors, key=lambda d: abs(d - new.seq_len))
+            raise AdaptiveError(f"seq_len ({new.seq_len}) must divide the block length ({new.block_len}); "
+                                f"nearest: {nearest}")
+        if new.sequences_per_step % new.pieces_per_block:
+            raise AdaptiveError(
+                f"micro_batch_size x gradient_accumulation_steps ({new.sequences_per_step}) must be a multiple of "
+                f"the pieces per block ({new.pieces_per_block} at seq_len {new.seq_len}, block {new.block_len})"
+            )
+        return new
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,7 +151,7 @@ class TrainerState:
     # progress, committed when an optimizer step completes (and restored on resume/rollback)
     step: int = 0  # optimizer steps done (global batches consumed, skipped ones included)
     tokens_seen: int = 0  # global tokens consumed by those steps
-    samples_seen: int = 0  # this rank's data position (SampleIterator.position)
+    samples_seen: int = 0  # this rank's data position in blocks (SampleIterator.position)
     skipped_steps: int = 0
     last_skip: str | None = None  # why the last step's update was not applied: "discarded" (a non-finite
     # loss or a callback's skip_step), "overflow" (DeepSpeed's fp16 loss scaler); None when it was applied
@@ -132,8 +171,8 @@ class TrainerState:
 
     @property
     def tokens_per_step(self) -> int:
-        """Global tokens per optimizer step with the knobs in force."""
-        return self.knobs.samples_per_step * self.knobs.seq_len * self.world_size
+        """Global tokens per optimizer step (the same whatever seq_len cuts the blocks into)."""
+        return self.knobs.tokens_per_step * self.world_size
 
 
 @dataclass

@@ -52,7 +52,7 @@ def planned_peak_bytes(plan: Any, knobs: Knobs | None, capacity_factor: float) -
 
     setup = plan.shown.setup
     if knobs is not None:
-        setup = dataclasses.replace(setup, micro_batch_size=knobs.micro_batch_size,
+        setup = dataclasses.replace(setup, micro_batch_size=knobs.micro_batch_size, seq_len=knobs.seq_len,
                                     gradient_checkpointing=knobs.gradient_checkpointing,
                                     gradient_accumulation_steps=knobs.gradient_accumulation_steps)
     return estimate_memory(dataclasses.replace(setup, capacity_factor=capacity_factor)).peak_gpu_bytes

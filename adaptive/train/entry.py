@@ -13,6 +13,7 @@ Exit codes: 0 done, 2 bad input (one line on stderr).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -39,6 +40,7 @@ class RunArgs:
     text_field: str = "text"
     tokenizer: str | None = None
     seq_len: int | None = None
+    min_seq_len: int | None = None
     max_steps: int | None = None
     tokens: float | None = None
     output_dir: str | None = None
@@ -116,7 +118,11 @@ def build_parser(preset: str, arch: str) -> argparse.ArgumentParser:
     data.add_argument("--dataset-config", help="hub dataset config name (C4: en)")
     data.add_argument("--text-field", default="text", help="the text column of json/parquet/hub data (default text)")
     data.add_argument("--tokenizer", help="hub name or local folder; default: the built-in byte-level BPE (2048)")
-    data.add_argument("--seq-len", type=_positive(int), help="sequence length (default 2048 on GPUs, 128 on a CPU)")
+    data.add_argument("--seq-len", type=_positive(int), help="sequence length (default 2048 on GPUs, 128 on a CPU); "
+                      "the data are blocks of it for the whole run (keep it on --resume)")
+    data.add_argument("--min-seq-len", type=_positive(int), help="on out-of-memory errors the orchestrator may "
+                      "halve the sequence down to this length, cutting each block into pieces (default: never; "
+                      "same as --orchestrator-config '{\"oom\": {\"min_seq_len\": N}}')")
     length = data.add_mutually_exclusive_group()
     length.add_argument("--max-steps", type=_positive(int), help="optimizer steps to train")
     length.add_argument("--tokens", type=_positive(float), help="training tokens (default: the plan's, "
@@ -189,7 +195,14 @@ def dry_run(args: RunArgs) -> dict[str, Any]:
 def _orchestrator_config(args: RunArgs):
     from adaptive.orchestrator import orchestrator_config
 
-    return orchestrator_config(args.orchestrator_policies, args.orchestrator_config)
+    config = orchestrator_config(args.orchestrator_policies, args.orchestrator_config)
+    if args.min_seq_len is None:
+        return config
+    oom = config.settings.get("oom", {})
+    if oom.get("min_seq_len") not in (None, args.min_seq_len):
+        raise AdaptiveError(f"--min-seq-len {args.min_seq_len} contradicts oom.min_seq_len {oom['min_seq_len']} in "
+                            "--orchestrator-config; give one of them")
+    return dataclasses.replace(config, settings={**config.settings, "oom": {**oom, "min_seq_len": args.min_seq_len}})
 
 
 def run(args: RunArgs, callbacks: list[Callback] | None = None) -> TrainerState:

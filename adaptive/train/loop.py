@@ -1,9 +1,13 @@
 """The training loop shared by every recipe: `train(state, loop)`.
 
-One optimizer step = `gradient_accumulation_steps` micro-batches of `micro_batch_size` samples.
-The step's samples are drawn from the data iterator once (`samples_per_step` of them) and sliced
-into micro-batches, so a retried step (after an OOM, with other knobs) runs on the same samples;
-the data position is committed only when the step completes.
+One optimizer step = `gradient_accumulation_steps` micro-batches of `micro_batch_size` sequences.
+The step's samples (blocks of the run's block length) are drawn from the data iterator once
+(`samples_per_step` of them), each block is cut into `pieces_per_block` consecutive sequences of
+`seq_len` tokens (one piece, the block itself, unless the OOM ladder shortened the sequence), and
+the sequences are sliced into micro-batches. So a retried step (after an OOM, with other knobs,
+seq_len included) runs on the same samples and the same tokens; the data position is committed
+only when the step completes. Evaluation always runs on whole blocks (the block length), so eval
+losses stay comparable across a change of seq_len.
 
 The loop drives the DeepSpeed engine directly (what accelerate's `backward` wraps): it marks the
 accumulation boundary itself and scales the loss by the accumulation in force
@@ -150,8 +154,8 @@ def run_step(state: TrainerState, control: Control, loop: Loop, step_batch: dict
         apply_knob_changes(state, control, loop)
         if state.knobs.samples_per_step != old.samples_per_step:
             raise AdaptiveError(
-                f"a retried step must keep its samples: micro_batch_size x gradient_accumulation_steps was "
-                f"{old.samples_per_step}, now {state.knobs.samples_per_step}"
+                f"a retried step must keep its samples: micro_batch_size x gradient_accumulation_steps / pieces "
+                f"per block was {old.samples_per_step} blocks, now {state.knobs.samples_per_step}"
             )
         state.attempt += 1
 
@@ -160,10 +164,11 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
     """One optimizer step: forward/backward over the micro-batches, then the update (or discard)."""
     engine = state.model
     micro, accum = state.knobs.micro_batch_size, state.knobs.gradient_accumulation_steps
+    sequences = cut_blocks(step_batch, state.knobs)
     stats = StepStats.zeros(loop.device)
     for i in range(accum):
         state.micro_step = i
-        batch = {k: v[i * micro:(i + 1) * micro].to(loop.device, non_blocking=True) for k, v in step_batch.items()}
+        batch = {k: v[i * micro:(i + 1) * micro].to(loop.device, non_blocking=True) for k, v in sequences.items()}
         engine.set_gradient_accumulation_boundary(i == accum - 1)
         # Without the logits (tokens x vocab, 16-bit): nothing reads them after the loss, and holding
         # them through backward costs memory the plan does not count (adaptive measure holds the same).
@@ -197,6 +202,19 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
     return stats
 
 
+def cut_blocks(step_batch: dict[str, torch.Tensor], knobs: Knobs) -> dict[str, torch.Tensor]:
+    """The step's blocks [N, block_len] as sequences [N * k, seq_len]: each block cut into its k
+    consecutive pieces, in order (a view; k = 1 returns the batch as it is)."""
+    k = knobs.pieces_per_block
+    if k == 1:
+        return step_batch
+    out = {}
+    for key, value in step_batch.items():
+        assert value.dim() >= 2 and value.shape[1] == knobs.block_len, (key, tuple(value.shape), knobs.block_len)
+        out[key] = value.reshape(value.shape[0] * k, knobs.seq_len, *value.shape[2:])
+    return out
+
+
 def commit_step(state: TrainerState, samples: SampleIterator) -> None:
     """The step is done: count it and commit the data position."""
     state.step += 1
@@ -217,7 +235,7 @@ def maybe_log(state: TrainerState, loop: Loop, meter: IntervalMeter) -> dict[str
     record = train_record(
         step=state.step, tokens_seen=state.tokens_seen, reduced=reduced, lr=current_lr(loop),
         grad_norm=state.last_grad_norm, skipped_steps=state.skipped_steps,
-        flops_per_token=loop.run.model_flops_per_token, peak_tflops=loop.run.peak_tflops,
+        flops_per_token=loop.run.flops_per_token_at(state.knobs.seq_len), peak_tflops=loop.run.peak_tflops,
         num_gpus=state.world_size, memory=cuda_memory(loop.device),
         knobs={k: getattr(state.knobs, k) for k in Knobs.RUNTIME},
     )
@@ -236,7 +254,9 @@ def maybe_evaluate(state: TrainerState, control: Control, loop: Loop, requested:
 
 
 def evaluate(state: TrainerState, control: Control, loop: Loop) -> dict[str, Any]:
-    """Token-weighted LM loss (aux losses excluded) over this rank's eval blocks, reduced over ranks."""
+    """Token-weighted LM loss (aux losses excluded) over this rank's eval blocks, reduced over ranks.
+    Whole blocks (the block length) whatever seq_len is in force: no gradients are kept, and the
+    loss stays comparable across the run."""
     engine = state.model
     batches = list(eval_batches(loop.data.eval, state.knobs.micro_batch_size))
     count = agree_min(state, len(batches))  # every rank runs the same forwards (collectives inside)
@@ -371,7 +391,7 @@ def apply_knob_changes(state: TrainerState, control: Control, loop: Loop) -> Non
                                                                    old.gradient_accumulation_steps):
         # DeepSpeed's own counters (samples, throughput); the loop runs the accumulation itself
         engine.set_train_micro_batch_size(new.micro_batch_size)
-        engine.set_train_batch_size(new.micro_batch_size * new.gradient_accumulation_steps * engine.dp_world_size)
+        engine.set_train_batch_size(new.sequences_per_step * engine.dp_world_size)
     if new.gradient_checkpointing != old.gradient_checkpointing:
         model = state.accelerator.unwrap_model(engine)
         if new.gradient_checkpointing:
@@ -413,11 +433,15 @@ def restore(state: TrainerState, loop: Loop, path: Path) -> None:
         raise AdaptiveError(f"checkpoint {path} was written by {saved['world_size']} processes, this run has "
                             f"{state.world_size}; resume with the same number")
     knobs = Knobs(**saved["knobs"])
+    # the block length (the run's --seq-len) is fixed: the data position counts blocks of it; the
+    # seq_len in force is a runtime knob and comes back with the others below
     fixed = [k for k in knobs.as_dict() if k not in Knobs.RUNTIME and getattr(knobs, k) != getattr(state.knobs, k)]
     if fixed:
+        hint = (f" (--seq-len is the block length: resume with --seq-len {knobs.block_len}; the checkpoint's "
+                f"seq_len {knobs.seq_len} is put back in force)" if "block_len" in fixed else "")
         raise AdaptiveError(f"checkpoint {path} was trained with other settings ("
                             + ", ".join(f"{k} {getattr(knobs, k)} vs {getattr(state.knobs, k)}" for k in fixed)
-                            + "); resume with the same ones")
+                            + f"); resume with the same ones{hint}")
     if saved["max_steps"] != state.max_steps:
         logger.warning("the checkpoint's run had max_steps %d, this one %d: the LR schedule follows %d",
                        saved["max_steps"], state.max_steps, state.max_steps)
@@ -473,7 +497,7 @@ def recover_from_oom(state: TrainerState, loop: Loop, step_batch: dict[str, torc
 
 
 def _probe(step_batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    n = min(16, step_batch["input_ids"].shape[1])
+    n = min(16, step_batch["input_ids"].shape[1])  # the first tokens of one block: valid at any seq_len
     return {k: v[:1, :n].to(device) for k, v in step_batch.items()}
 
 

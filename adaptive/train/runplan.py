@@ -215,7 +215,7 @@ class RunPlan:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.knobs.samples_per_step * self.knobs.seq_len * self.world.size
+        return self.knobs.tokens_per_step * self.world.size
 
     @property
     def peak_tflops(self) -> float | None:
@@ -225,6 +225,14 @@ class RunPlan:
     @property
     def model_flops_per_token(self) -> float:
         return self.plan.shown.throughput.model_flops_per_token
+
+    def flops_per_token_at(self, seq_len: int) -> float:
+        """Model FLOPs per token at `seq_len` (attention spans the sequence, so a shorter one costs less)."""
+        if seq_len == self.plan.shown.setup.seq_len:
+            return self.model_flops_per_token
+        from adaptive.plan.throughput import model_flops_per_token
+
+        return model_flops_per_token(self.plan.shown.setup.spec, seq_len)
 
     def summary(self) -> dict[str, Any]:
         """The run section written to plan.json and printed by --dry-run."""
@@ -311,7 +319,7 @@ def steps_for(max_steps: int | None, tokens: float | None, knobs: Knobs, world_s
     or a short CPU run."""
     if max_steps is not None:
         return max_steps
-    per_step = knobs.samples_per_step * knobs.seq_len * world_size
+    per_step = knobs.tokens_per_step * world_size
     if tokens is not None:
         return max(1, math.ceil(tokens / per_step))
     return CPU_MAX_STEPS if cpu else max(1, math.ceil(plan.train_tokens / per_step))
@@ -324,7 +332,7 @@ def finalize_ds_config(base: dict[str, Any], knobs: Knobs, world_size: int, prec
     cfg = copy.deepcopy(base)
     cfg["train_micro_batch_size_per_gpu"] = knobs.micro_batch_size
     cfg["gradient_accumulation_steps"] = knobs.gradient_accumulation_steps
-    cfg["train_batch_size"] = knobs.samples_per_step * world_size
+    cfg["train_batch_size"] = knobs.sequences_per_step * world_size
     if not _explicit(cfg.get("gradient_clipping")):
         cfg["gradient_clipping"] = clipping if clipping is not None else GRADIENT_CLIPPING
     zero = cfg.setdefault("zero_optimization", {})
@@ -356,15 +364,16 @@ def ds_config_for_knobs(cfg: dict[str, Any], knobs: Knobs, world_size: int) -> d
     out = copy.deepcopy(cfg)
     out["train_micro_batch_size_per_gpu"] = knobs.micro_batch_size
     out["gradient_accumulation_steps"] = knobs.gradient_accumulation_steps
-    out["train_batch_size"] = knobs.samples_per_step * world_size
+    out["train_batch_size"] = knobs.sequences_per_step * world_size
     return out
 
 
 def with_knobs(plan_json: dict[str, Any], knobs: Knobs) -> dict[str, Any]:
-    """plan.json's plan fields updated to the knobs in force."""
+    """plan.json's plan fields updated to the knobs in force (seq_len: the sequence the model sees; the
+    run section's knobs also hold `block_len`, the run's --seq-len, whose blocks it cuts)."""
     out = dict(plan_json)
     out.update(micro_batch_size=knobs.micro_batch_size, gradient_accumulation_steps=knobs.gradient_accumulation_steps,
-               gradient_checkpointing=knobs.gradient_checkpointing)
+               gradient_checkpointing=knobs.gradient_checkpointing, seq_len=knobs.seq_len)
     return out
 
 

@@ -6,7 +6,8 @@ SPEC is JSON: {"record": DIR, "oom_at": [5, 7], "nan_at": [11, 13, 14]} (steps a
 - oom_at: raise torch.OutOfMemoryError after micro-batch 1 of those steps, on their first try only;
 - nan_at: a forward hook on the LM head (PyTorch's register_forward_hook; nothing is patched) turns the
   logits, hence the loss, into NaN in those steps, once per step number (a replay after a rollback is clean);
-- record: every event with the step, a hash of all parameters, the LR in force and why a step was skipped.
+- record: every event with the step, a hash of all parameters, the LR in force and why a step was skipped;
+  per micro-batch its shape, its token ids in order and its predicted (target) tokens.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ def params_hash(state) -> str:
 
 
 class OrchestratorRecorder(Recorder):
+    def on_backward_end(self, state, control, *, outputs, loss, batch):
+        super().on_backward_end(state, control, outputs=outputs, loss=loss, batch=batch)
+        labels = batch["labels"]
+        self.events[-1].update(shape=list(batch["input_ids"].shape), tokens=batch["input_ids"].flatten().tolist(),
+                               targets=int((labels[:, 1:] != -100).sum()))
+
     def on_step_start(self, state, control):
         self._add(state, "on_step_start", samples_seen=state.samples_seen, params=params_hash(state),
                   param_lr=state.optimizer.param_groups[0]["lr"], scheduled_lr=state.scheduler.get_last_lr()[0],

@@ -18,31 +18,39 @@ FLAGS = ["--max-steps", "16", "--log-every", "1", "--seq-len", "64", "--micro-ba
          "--orchestrator-config", json.dumps({"guard": {"window": 5, "lr_steps": 3}})]
 
 
-def _command(spec: dict, out: Path, extra: list[str] = ()) -> list[str]:
+def _command(spec: dict, out: Path, extra: list[str] = (), flags: list[str] = FLAGS) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
             "--dynamo_backend", "no", "--main_process_port", str(free_port()), "--use_deepspeed", "--num_processes",
-            "1", str(DRIVER), "debug", "moe", json.dumps({**spec, "record": str(out / "recorded")}), "--", *FLAGS,
+            "1", str(DRIVER), "debug", "moe", json.dumps({**spec, "record": str(out / "recorded")}), "--", *flags,
             "--output-dir", str(out), *extra]
 
 
-def run_one(spec: dict, out: Path, root: Path, extra: list[str]) -> None:
-    """One more run of the driver (e.g. a --resume), alone."""
+def run_one(spec: dict, out: Path, root: Path, extra: list[str], flags: list[str] = FLAGS,
+            fail: bool = False) -> subprocess.CompletedProcess:
+    """One more run of the driver (e.g. a --resume), alone; it must succeed, or with `fail` fail
+    (accelerate launch exits 1 whatever the recipe's own code)."""
     home = root / "home"
     home.mkdir(parents=True, exist_ok=True)
-    with open(root / "run.log", "w") as log:
-        code = subprocess.run(_command(spec, out, extra), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                              env=launch_env(home, ADAPTIVE_CACHE=str(home / "cache")), timeout=600).returncode
-    assert code == 0, (root / "run.log").read_text()[-3000:]
+    done = subprocess.run(_command(spec, out, extra, flags), cwd=REPO, capture_output=True, text=True,
+                          env=launch_env(home, ADAPTIVE_CACHE=str(home / "cache")), timeout=600)
+    (root / "run.log").write_text(done.stdout + done.stderr)
+    assert (done.returncode != 0) == fail, (done.stdout + done.stderr)[-3000:]
+    return done
 
 
 def start_fault_runs(root: Path) -> dict[str, Path]:
+    return start_runs(root, SPECS, FLAGS)
+
+
+def start_runs(root: Path, specs: dict[str, dict], flags: list[str]) -> dict[str, Path]:
+    """Start one driver run per spec together (each single-threaded), wait for all; their folders."""
     procs = {}
-    for name, spec in SPECS.items():
+    for name, spec in specs.items():
         home = root / f"home_{name}"  # own caches: the two runs fill them at the same time
         home.mkdir(parents=True)
         out = root / name
         log = open(root / f"{name}.log", "w")
-        procs[name] = (subprocess.Popen(_command(spec, out), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        procs[name] = (subprocess.Popen(_command(spec, out, flags=flags), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                         env=launch_env(home, ADAPTIVE_CACHE=str(home / "cache"))), out, log)
     failed = []
     for name, (proc, out, log) in procs.items():

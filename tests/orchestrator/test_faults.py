@@ -68,7 +68,7 @@ def test_the_second_oom_turns_on_checkpointing_and_the_plan_files_record_the_kno
     decisions = [e for e in read_records(out, file="events.jsonl") if e["kind"] == "decision" and e["policy"] == "oom"]
     assert [(e["step"], e["action"]) for e in decisions] == [(5, "halve_micro_batch"), (7, "enable_checkpointing")]
     assert decisions[0]["before"]["micro_batch_size"] == 2 and decisions[0]["after"] == {
-        "micro_batch_size": 1, "gradient_accumulation_steps": 4, "gradient_checkpointing": False}
+        "micro_batch_size": 1, "gradient_accumulation_steps": 4, "gradient_checkpointing": False, "seq_len": 64}
     assert decisions[1]["after"]["gradient_checkpointing"] is True
     plan = json.loads((out / "plan.json").read_text())
     ds = json.loads((out / "ds_config.json").read_text())

@@ -1,5 +1,5 @@
 """The policies' rules one by one, on hand-made signals: the monitor's arithmetic, the OOM ladder's rungs
-(and the restart rung's plan.json), the guard's spike rule, the EP recommendation, the flags."""
+(the shorter-sequence rung included), the guard's spike rule, the EP recommendation, the flags."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from adaptive.orchestrator.ep_advice import EPAdviceConfig, recommend_ep_size, v
 from adaptive.orchestrator.events import EventLog
 from adaptive.orchestrator.guard import GuardConfig, GuardPolicy
 from adaptive.orchestrator.monitor import Monitor, MonitorConfig, Signals, load_entropy
-from adaptive.orchestrator.oom import RESTART_KEY, OOMConfig, OOMPolicy, next_rung, shorter_seq_len
+from adaptive.orchestrator.oom import OOMConfig, OOMPolicy, next_rung, shorter_seq_len
 from tests.orchestrator._harness import knobs
 
 
@@ -97,25 +97,42 @@ def test_each_rung_keeps_the_global_batch(micro, accum, expected):
     assert k.changed(changes).samples_per_step == k.samples_per_step
 
 
-def test_the_last_rung_writes_a_shorter_sequence_into_plan_json_and_lets_the_error_end_the_run(tmp_path):
-    assert shorter_seq_len(2048, 1024) == 1536 and shorter_seq_len(1536, 1024) == 1152
-    assert shorter_seq_len(1100, 1024) == 1024
-    assert shorter_seq_len(1024, 1024) is None and shorter_seq_len(2048, None) is None
-    (tmp_path / "plan.json").write_text(json.dumps({"seq_len": 2048}))
+def test_the_last_rung_halves_the_sequence_live_and_keeps_the_blocks_of_the_step():
     k = knobs(micro=1, accum=8, seq=2048).changed({"gradient_checkpointing": True})
-    state = TrainerState(max_steps=10, knobs=k, output_dir=tmp_path, step=3)
+    assert next_rung(k, OOMConfig()) is None, "no min_seq_len: no shorter sequence"
+    action, changes = next_rung(k, OOMConfig(min_seq_len=1024))
+    assert (action, changes) == ("halve_seq_len", {"seq_len": 1024, "gradient_accumulation_steps": 16})
+    short = k.changed(changes)
+    assert (short.block_len, short.pieces_per_block, short.samples_per_step) == (2048, 2, 8)
+    assert short.tokens_per_step == k.tokens_per_step == 8 * 2048
+    assert next_rung(short, OOMConfig(min_seq_len=1024)) is None, "1024 is the floor"
+    assert shorter_seq_len(short, 256) == 512 and shorter_seq_len(short, 513) is None
+    assert shorter_seq_len(knobs(micro=1, seq=96), 16) == 48 and shorter_seq_len(knobs(micro=1, seq=48), 16) == 24
+    three = knobs(micro=1, accum=3, seq=96).changed({"seq_len": 32, "gradient_accumulation_steps": 9})
+    assert shorter_seq_len(three, 8) == 16, "16 still divides the block of 96"
+    with pytest.raises(AdaptiveError, match=r"seq_len \(40\) must divide the block length \(2048\); nearest: 32"):
+        k.changed({"seq_len": 40})
+    with pytest.raises(AdaptiveError, match="must be a multiple of the pieces per block"):
+        k.changed({"seq_len": 1024, "gradient_accumulation_steps": 3})  # 3 pieces: one and a half blocks
+
+
+def test_the_oom_policy_records_the_sequence_change_and_asks_for_a_retry():
+    k = knobs(micro=1, accum=4, seq=64).changed({"gradient_checkpointing": True})
+    state = TrainerState(max_steps=10, knobs=k, output_dir=None, step=3)
     control = Control()
-    policy = OOMPolicy(EventLog(), OOMConfig(min_seq_len=1024))
+    policy = OOMPolicy(EventLog(), OOMConfig(min_seq_len=32))
     policy.on_oom(state, control, error=torch.OutOfMemoryError("CUDA out of memory"))
-    assert not control.retry_step and not control.change_knobs, "the sequence cannot change live"
-    plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["seq_len"] == 2048 and plan[RESTART_KEY]["seq_len"] == 1536
+    assert control.retry_step and control.change_knobs == {"seq_len": 32, "gradient_accumulation_steps": 8}
     event = policy.events.decisions[-1]
-    assert (event["action"], event["before"]["seq_len"], event["after"]["seq_len"]) == ("restart_shorter_seq", 2048,
-                                                                                        1536)
-    exhausted = OOMPolicy(EventLog(), OOMConfig())
-    exhausted.on_oom(state, Control(), error=torch.OutOfMemoryError())
-    assert exhausted.events.decisions[-1]["action"] == "exhausted"
+    assert (event["step"], event["action"]) == (4, "halve_seq_len")
+    assert event["before"] == {"micro_batch_size": 1, "gradient_accumulation_steps": 4, "gradient_checkpointing": True,
+                               "seq_len": 64}
+    assert event["after"] == {**event["before"], "seq_len": 32, "gradient_accumulation_steps": 8}
+    state.knobs = k.changed(control.change_knobs)
+    exhausted = Control()
+    policy.on_oom(state, exhausted, error=torch.OutOfMemoryError())
+    assert not exhausted.retry_step and policy.events.decisions[-1]["action"] == "exhausted"
+    assert "min_seq_len 32" in policy.events.decisions[-1]["reason"]
 
 
 def test_the_guard_counts_a_spike_against_the_median_and_lowers_the_lr_without_a_checkpoint():

@@ -63,6 +63,44 @@ def test_only_runtime_knobs_change_and_values_are_checked():
     assert state.tokens_per_step == 4 * 2 * 64 * 4 and state.is_main_process
 
 
+def test_seq_len_is_a_runtime_knob_that_cuts_blocks_into_consecutive_pieces():
+    from adaptive.train.loop import cut_blocks
+
+    k = knobs(micro_batch_size=1, gradient_accumulation_steps=8)
+    short = k.changed({"seq_len": 16, "gradient_accumulation_steps": 32})
+    assert (short.block_len, short.pieces_per_block, short.samples_per_step, short.sequences_per_step) == (64, 4, 8, 32)
+    assert short.tokens_per_step == k.tokens_per_step == 8 * 64
+    with pytest.raises(AdaptiveError, match="knob 'block_len' cannot change"):
+        k.changed({"block_len": 32})
+    blocks = torch.arange(3 * 64).reshape(3, 64)
+    cut = cut_blocks({"input_ids": blocks, "labels": blocks.clone()}, short)
+    assert cut["input_ids"].shape == (12, 16) and cut["input_ids"].data_ptr() == blocks.data_ptr(), "a view"
+    assert cut["input_ids"][4:8].flatten().tolist() == blocks[1].tolist(), "block 1 = pieces 4-7, in order"
+    assert cut_blocks({"input_ids": blocks}, k)["input_ids"] is blocks
+    old = Knobs(**{kk: v for kk, v in k.as_dict().items() if kk != "block_len"})
+    assert old.block_len == 64, "a checkpoint written before the field: its blocks were its seq_len"
+
+
+@pytest.mark.parametrize("arch", ["dense", "moe", "mod", "hybrid"])
+def test_every_architecture_trains_on_pieces_of_a_block(arch):
+    from adaptive.train.loop import cut_blocks
+    from tests.models._model_helpers import tiny_model
+
+    model = tiny_model(arch)
+    blocks = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    pieces = cut_blocks({"input_ids": blocks, "labels": blocks.clone()},
+                        knobs(micro_batch_size=1, gradient_accumulation_steps=2).changed(
+                            {"seq_len": 16, "gradient_accumulation_steps": 8}))
+    out = model(**pieces)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and out.logits.shape == (8, 16, 128)
+    stats = out.router_stats
+    if arch in ("mod", "hybrid"):
+        assert stats.mod_skip_rate is not None and torch.isfinite(stats.mod_skip_rate).all()
+    if arch in ("moe", "hybrid"):
+        assert int(stats.expert_counts.sum(-1)[0]) == 8 * 16 * model.config.num_experts_per_tok
+
+
 def test_a_non_finite_loss_counts_as_a_skip_request():
     from adaptive.train.loop import agree_any
 
