@@ -102,7 +102,7 @@ class CapacityPolicy(Callback):
         self._low = 0
         self._capped_reported = False
         self._planned: dict[tuple[Knobs, float], int] = {}
-        self._restored: float | None = None  # from a checkpoint loaded before on_train_start (--resume)
+        self._restored: dict[str, Any] | None = None  # from a checkpoint loaded before on_train_start (--resume)
 
     def on_train_start(self, state: TrainerState, control: Control) -> None:
         self.gates = moe_gates(state.model)
@@ -113,20 +113,22 @@ class CapacityPolicy(Callback):
                 self._restored = None
 
     def state_dict(self) -> dict[str, Any] | None:
-        return {"capacity_factor": self.factor} if self.factor is not None else None
+        # the streaks too: a resumed run acts at the same summary as the run that was never stopped
+        return {"capacity_factor": self.factor, "high_streak": self._high, "low_streak": self._low} \
+            if self.factor is not None else None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Applied before the next forward: in on_train_start (--resume) or on_step_start (a rollback)."""
-        factor = state_dict.get("capacity_factor")
-        self._restored = float(factor) if factor is not None else None
+        self._restored = dict(state_dict) if state_dict.get("capacity_factor") is not None else None
 
     def on_step_start(self, state: TrainerState, control: Control) -> None:
         if self._restored is not None and self.gates:
             self._restore(state.step, self._restored, "rolled back: the checkpoint's capacity factor")
             self._restored = None
 
-    def _restore(self, step: int, factor: float, reason: str) -> None:
-        self._high = self._low = 0
+    def _restore(self, step: int, saved: dict[str, Any], reason: str) -> None:
+        factor = float(saved["capacity_factor"])
+        self._high, self._low = int(saved.get("high_streak", 0)), int(saved.get("low_streak", 0))
         if self.factor is not None and abs(factor - self.factor) <= GRID_TOLERANCE:
             return
         before = self.factor

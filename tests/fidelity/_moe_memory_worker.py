@@ -8,8 +8,10 @@ above that, and the step's peak, counted by the same storage counter `adaptive m
 import gc
 import json
 import sys
+import tempfile
 
 import torch
+import torch.distributed as dist
 
 from adaptive.fidelity.measure import PeakBytes
 from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
@@ -17,6 +19,13 @@ from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
 
 def main() -> None:
     impl, seq, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    # a file rendezvous: no TCP port to race for with tests running beside this one
+    store = tempfile.NamedTemporaryFile(prefix="moe-memory-", delete=False).name
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    if impl == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # wraps the group above
     torch.manual_seed(0)
     config = AdaptiveConfig.from_preset("debug", arch="moe", moe_implementation=impl)
     model = AdaptiveForCausalLM(config).to(torch.bfloat16).train()

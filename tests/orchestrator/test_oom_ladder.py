@@ -151,10 +151,10 @@ def test_a_resume_after_the_change_continues_with_the_shorter_sequence_and_finis
                                                                                      ("resumed", out))}
     print(f"final loss: uninterrupted {loss['original'][STEPS]:.6f}, resumed from step {RESUME_AT} "
           f"{loss['resumed'][STEPS]:.6f}")
-    assert loss["resumed"][RESUME_AT + 1] == loss["original"][RESUME_AT + 1], "the first step after the resume"
-    # not bitwise later: the capacity policy's patience count starts afresh on a resume, so its raises
-    # come one step later (9 and 11 instead of 8 and 10); measured difference ~1e-4
-    assert loss["resumed"][STEPS] == pytest.approx(loss["original"][STEPS], abs=1e-3)
+    # bitwise: the checkpoint holds the weights, the data position, the knobs and the policies' state
+    # (the capacity factor and its patience streaks), so the resumed steps are the uninterrupted ones
+    for step in range(RESUME_AT + 1, STEPS + 1):
+        assert loss["resumed"][step] == loss["original"][step], f"step {step}"
     assert json.loads((out / "plan.json").read_text())["seq_len"] == HALF
 
 
