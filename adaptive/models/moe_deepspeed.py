@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-import socket
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -98,16 +98,17 @@ def ensure_distributed(device: torch.device | None = None) -> None:
     import deepspeed
 
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
-    if not launched:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "gloo" if device is None or device.type == "cpu" else None
     logger.warning(
         "DeepSpeed MoE needs torch.distributed and nothing initialised it: initialising %s (backend=%s)",
         "from the launcher's environment" if launched else "a single-process group", backend or "default",
     )
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    if not launched:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        # one process rendezvouses through a file: no TCP port to pick, none to lose to another process
+        store = tempfile.NamedTemporaryFile(prefix="adaptive-dist-", delete=False).name
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # wraps an existing group
 
 
 def ensure_expert_parallel(model: nn.Module) -> None:
@@ -201,12 +202,6 @@ def load_local_experts(model: nn.Module, path: str) -> None:
                             with torch.no_grad():
                                 params[candidate].copy_(f.get_tensor(key))
                             break
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 __all__ = [
