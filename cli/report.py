@@ -45,8 +45,11 @@ def report(run_dir: RunDir, out: Out = None) -> None:
     table.add_row("skipped steps, rollbacks", f"{s['skipped_steps'] or 0}, {s['rollbacks']}")
     for policy, actions in s["decisions"].items():
         table.add_row(f"orchestrator: {policy}", ", ".join(f"{a} x{n}" for a, n in actions.items()))
-    if not s["decisions"]:
-        table.add_row("orchestrator", "no decisions recorded")
+    state = s["orchestrator"]
+    if state and not state.get("enabled"):
+        table.add_row("orchestrator", f"off (--orchestrator {state.get('requested')}; {state.get('reason')})")
+    elif not s["decisions"]:
+        table.add_row("orchestrator", "on, no decisions recorded")
     if "ep_recommendation" in s:
         rec = s["ep_recommendation"]
         table.add_row("next launch", f"ep_size {rec['ep_size']}: {rec['reason']}")

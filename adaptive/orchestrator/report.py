@@ -243,6 +243,7 @@ def run_summary(run: RunData) -> dict[str, Any]:
         "dropped_last": _mean(last.get("dropped_fraction")), "mod_skip_last": _mean(last.get("mod_skip_rate")),
         "skipped_steps": last.get("skipped_steps"), "rollbacks": len(run.rollbacks),
         "decisions": {}, "finished": run.end is not None,
+        "orchestrator": (run.start or {}).get("orchestrator"),  # {requested, enabled, reason}
     }
     for e in run.decisions:
         out["decisions"].setdefault(e["policy"], {}).setdefault(e["action"], 0)

@@ -232,6 +232,8 @@ def run(args: RunArgs, callbacks: list[Callback] | None = None) -> TrainerState:
                 args.preset, args.arch, world.size, plan.device.gpu.name if plan.device.gpu else "cpu", plan.precision,
                 plan.knobs.as_dict(), plan.ds_source.kind, f" {plan.ds_source.path}" if plan.ds_source.path else "",
                 plan.max_steps, plan.tokens_per_step)
+    logger.info("orchestrator: %s (--orchestrator %s; the plan's advice: %s)", "on" if plan.orchestrator else "off",
+                plan.orchestrator_requested, plan.plan.orchestrator.reason)
 
     set_seed(args.seed)
     data = setup.load_data(args, plan, accelerator, plan.plan.request.spec.vocab_size)

@@ -119,3 +119,15 @@ def test_the_report_command_imports_no_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=launch_env(tmp_path), capture_output=True, text=True,
                           timeout=60)
     assert done.stdout.strip() == "[]", done.stderr
+
+
+def test_a_run_without_the_orchestrator_says_it_was_off_and_why(tmp_path, capsys):
+    records = [{"kind": "start", "step": 0, "preset": "debug", "arch": "dense",
+                "orchestrator": {"requested": "auto", "enabled": False, "reason": "a short run"}}]
+    records += [{"kind": "train", "step": s, "loss": 7.0 - 0.1 * s, "ppl": 1000.0 / s, "tokens_seen": 256 * s}
+                for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert cli(["report", str(tmp_path)]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "off (--orchestrator auto; a short run)" in shown, shown
+    assert (tmp_path / "report.png").stat().st_size > 0
