@@ -44,7 +44,7 @@ from adaptive.train import checkpoint as ckpt
 from adaptive.train.data import SampleIterator, eval_batches
 from adaptive.train.display import ProgressDisplay
 from adaptive.train.metrics import IntervalMeter, MetricsWriter, StepStats, cuda_memory, train_record
-from adaptive.train.runplan import RunPlan, ds_config_for_knobs, with_knobs
+from adaptive.train.runplan import RunPlan, ds_config_for_knobs, replan_for_knobs, with_knobs
 
 logger = get_logger(__name__)
 
@@ -462,7 +462,7 @@ def write_run_files(state: TrainerState, loop: Loop) -> None:
     from adaptive.plan.emit import plan_dict
 
     run = loop.run
-    plan_json = with_knobs(plan_dict(run.plan), state.knobs)
+    plan_json = with_knobs(plan_dict(replan_for_knobs(run.plan, state.knobs)), state.knobs)
     plan_json["run"] = {**run.summary(), "knobs": state.knobs.as_dict(), "output_dir": str(state.output_dir)}
     ckpt.atomic_write_text(state.output_dir / "plan.json", json.dumps(plan_json, indent=2) + "\n")
     ds = ds_config_for_knobs(run.ds_config, state.knobs, state.world_size)

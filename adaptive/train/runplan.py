@@ -27,7 +27,7 @@ import copy
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -368,6 +368,25 @@ def ds_config_for_knobs(cfg: dict[str, Any], knobs: Knobs, world_size: int) -> d
     return out
 
 
+def replan_for_knobs(plan: Plan, knobs: Knobs) -> Plan:
+    """The plan re-estimated at the knobs in force (after the orchestrator changed them), so plan.json's
+    memory and speed figures describe what runs; the plan itself when nothing differs, or when the
+    planner refuses the combination (its figures then stay those of the original plan)."""
+    s, accum = plan.shown.setup, plan.shown.grad_accum
+    if (knobs.micro_batch_size, knobs.gradient_accumulation_steps, knobs.gradient_checkpointing, knobs.seq_len) == (
+            s.micro_batch_size, accum, s.gradient_checkpointing, s.seq_len):
+        return plan
+    offload = "all" if s.offload_params else "optimizer" if s.offload_optimizer else "none"
+    request = replace(plan.request, seq_len=knobs.seq_len, min_seq_len=None, zero_stage=s.zero_stage, offload=offload,
+                      micro_batch_size=knobs.micro_batch_size, grad_accum=knobs.gradient_accumulation_steps,
+                      gradient_checkpointing=knobs.gradient_checkpointing, ep_size=s.ep_size,
+                      global_batch_tokens=knobs.tokens_per_step * plan.request.world_size)
+    try:
+        return fit(request, suggest=False)
+    except AdaptiveError:
+        return plan
+
+
 def with_knobs(plan_json: dict[str, Any], knobs: Knobs) -> dict[str, Any]:
     """plan.json's plan fields updated to the knobs in force (seq_len: the sequence the model sees; the
     run section's knobs also hold `block_len`, the run's --seq-len, whose blocks it cuts)."""
@@ -379,4 +398,4 @@ def with_knobs(plan_json: dict[str, Any], knobs: Knobs) -> dict[str, Any]:
 
 __all__ = ["DeepSpeedSource", "Device", "NOMINAL_GPU", "RunPlan", "World", "deepspeed_source", "detect_device",
            "ds_config_for_knobs", "file_pins", "finalize_ds_config", "launcher_world", "plan_run", "precision_for",
-           "steps_for", "with_knobs"]
+           "replan_for_knobs", "steps_for", "with_knobs"]

@@ -116,6 +116,14 @@ def test_the_plan_files_and_the_checkpoint_hold_the_shorter_sequence(runs):
     assert (plan["seq_len"], plan["micro_batch_size"], plan["gradient_accumulation_steps"],
             plan["gradient_checkpointing"]) == (HALF, 1, 8, True)
     assert (plan["run"]["knobs"]["seq_len"], plan["run"]["knobs"]["block_len"]) == (HALF, BLOCK)
+    # the memory figures are re-estimated at the knobs in force, not left at the original plan's
+    start = json.loads((runs["plain"] / "plan.json").read_text())
+    assert (start["seq_len"], start["micro_batch_size"], start["gradient_checkpointing"]) == (BLOCK, 2, False)
+    assert plan["memory"]["activations"] < start["memory"]["activations"] / 4
+    # (this tiny model's peak is its optimizer step plus the CUDA-context allowance; the backward phase moves)
+    assert plan["memory_phases"]["backward"] < start["memory_phases"]["backward"]
+    assert plan["peak_gpu_bytes"] <= start["peak_gpu_bytes"]
+    assert plan["global_batch_tokens"] == start["global_batch_tokens"]
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == \
         (1, 8, 8)
     checkpoints = [e["step"] for e in recorded_events(out) if e["event"] == "on_checkpoint"]
