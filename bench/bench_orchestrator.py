@@ -118,21 +118,12 @@ def build(seq_len: int, out: Path):
 
 
 def one_step(state, control, loop, samples, meter, chain) -> float:
-    """The body of adaptive.train.loop.train for one step (no eval/checkpoint/export are due)."""
-    from adaptive.train.loop import agree_requests, apply_knob_changes, commit_step, maybe_log, run_step
+    """The training loop's own step (adaptive.train.loop.step_once) with `chain` as its callbacks."""
+    from adaptive.train.loop import step_once
 
     loop.callbacks = chain
     started = time.perf_counter()
-    apply_knob_changes(state, control, loop)
-    chain.on_step_start(state, control)
-    batch = samples.next_batch(state.knobs.samples_per_step)
-    step_started = time.perf_counter()
-    stats = run_step(state, control, loop, batch)
-    commit_step(state, samples)
-    meter.add(stats, time.perf_counter() - step_started, state.tokens_per_step)
-    metrics = maybe_log(state, loop, meter)
-    chain.on_step_end(state, control, metrics=metrics)
-    agree_requests(state, control, loop)
+    step_once(state, control, loop, samples, meter)
     return time.perf_counter() - started
 
 

@@ -54,11 +54,14 @@ class FitRequest:
 @dataclass(frozen=True)
 class Candidate:
     setup: TrainSetup
-    grad_accum: int
     memory: MemoryEstimate
     throughput: Throughput
     fits_gpu: bool
     fits_host: bool
+
+    @property
+    def grad_accum(self) -> int:
+        return self.setup.gradient_accumulation_steps
 
     @property
     def fits(self) -> bool:
@@ -246,7 +249,7 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
                        gradient_accumulation_steps=accum)
     mem = estimate_memory(setup)
     tp = estimate_throughput(setup, req.gpu, accum, req.mfu)
-    return Candidate(setup=setup, grad_accum=accum, memory=mem, throughput=tp,
+    return Candidate(setup=setup, memory=mem, throughput=tp,
                      fits_gpu=mem.peak_gpu_bytes <= req.gpu.memory_bytes,
                      fits_host=mem.host_bytes_per_node <= host_mem)
 

@@ -104,17 +104,8 @@ def train(state: TrainerState, loop: Loop) -> TrainerState:
     with ProgressDisplay(loop.settings.progress and state.is_main_process, state.max_steps, state.step) as display, \
             _stop_on_sigterm(loop.stop_signal):
         while state.step < state.max_steps:
-            apply_knob_changes(state, control, loop)
-            loop.callbacks.on_step_start(state, control)
-            step_batch = samples.next_batch(state.knobs.samples_per_step)
-            started = time.perf_counter()
-            stats = run_step(state, control, loop, step_batch)
-            commit_step(state, samples)
-            meter.add(stats, time.perf_counter() - started, state.tokens_per_step)
-            metrics = maybe_log(state, loop, meter)
+            metrics, requests = step_once(state, control, loop, samples, meter)
             display.update(state.step, _progress_info(metrics))
-            loop.callbacks.on_step_end(state, control, metrics=metrics)
-            requests = agree_requests(state, control, loop)
             maybe_evaluate(state, control, loop, requests.evaluate)
             maybe_checkpoint(state, control, loop, requests.checkpoint or requests.stop)
             maybe_export(state, loop, requests.export)
@@ -132,6 +123,22 @@ def train(state: TrainerState, loop: Loop) -> TrainerState:
         finish(state, control, loop)
     loop.callbacks.on_train_end(state, control)
     return state
+
+
+def step_once(state: TrainerState, control: Control, loop: Loop, samples: SampleIterator,
+              meter: IntervalMeter) -> tuple[dict[str, Any] | None, Requests]:
+    """One optimizer step with its callbacks, committed and logged; the requests agreed at its end
+    (bench/bench_orchestrator.py times exactly this)."""
+    apply_knob_changes(state, control, loop)
+    loop.callbacks.on_step_start(state, control)
+    step_batch = samples.next_batch(state.knobs.samples_per_step)
+    started = time.perf_counter()
+    stats = run_step(state, control, loop, step_batch)
+    commit_step(state, samples)
+    meter.add(stats, time.perf_counter() - started, state.tokens_per_step)
+    metrics = maybe_log(state, loop, meter)
+    loop.callbacks.on_step_end(state, control, metrics=metrics)
+    return metrics, agree_requests(state, control, loop)
 
 
 def run_step(state: TrainerState, control: Control, loop: Loop, step_batch: dict[str, torch.Tensor]) -> StepStats:
@@ -244,13 +251,14 @@ def maybe_log(state: TrainerState, loop: Loop, meter: IntervalMeter) -> dict[str
     return record
 
 
+def _due(state: TrainerState, every: int, requested: bool) -> bool:
+    """Asked for, or a multiple of `every` before the last step (which finish() handles)."""
+    return requested or (every > 0 and state.step % every == 0 and state.step < state.max_steps)
+
+
 def maybe_evaluate(state: TrainerState, control: Control, loop: Loop, requested: bool) -> dict[str, Any] | None:
-    every = loop.settings.eval_every
-    due = requested or (every > 0 and state.step % every == 0 and state.step < state.max_steps)
     control.should_evaluate = False
-    if not due:
-        return None
-    return evaluate(state, control, loop)
+    return evaluate(state, control, loop) if _due(state, loop.settings.eval_every, requested) else None
 
 
 def evaluate(state: TrainerState, control: Control, loop: Loop) -> dict[str, Any]:
@@ -286,12 +294,8 @@ def evaluate(state: TrainerState, control: Control, loop: Loop) -> dict[str, Any
 
 
 def maybe_checkpoint(state: TrainerState, control: Control, loop: Loop, requested: bool) -> Path | None:
-    every = loop.settings.checkpoint_every
-    due = requested or (every > 0 and state.step % every == 0 and state.step < state.max_steps)
     control.should_checkpoint = False
-    if not due:
-        return None
-    return save(state, control, loop)
+    return save(state, control, loop) if _due(state, loop.settings.checkpoint_every, requested) else None
 
 
 def save(state: TrainerState, control: Control, loop: Loop) -> Path:
@@ -582,4 +586,4 @@ class _stop_on_sigterm:
 
 __all__ = ["EXPORT_REQUEST", "FINAL_EXPORT", "Loop", "LoopSettings", "STOP_REQUEST", "apply_knob_changes",
            "discard_gradients", "evaluate", "maybe_checkpoint", "maybe_evaluate", "restore", "rollback", "save",
-           "train", "train_step", "write_run_files"]
+           "step_once", "train", "train_step", "write_run_files"]
