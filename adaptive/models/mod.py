@@ -3,7 +3,7 @@
 A routed block sees only some tokens of each sequence; the rest ride the residual unchanged.
 
 - Training ("topk"): a scalar router scores every token; per sequence exactly k = ceil(capacity * T)
-  tokens are taken by `torch.topk`, kept in sequence order, gathered, run through the block with their
+  tokens are taken by `torch.topk` (T counts the row's real tokens: padding changes neither k nor the choice), kept in sequence order, gathered, run through the block with their
   original RoPE positions and a causal mask among them, and their output *delta* is scaled by the
   router weight and scattered back. No Python loop over the batch.
 - Inference ("causal"): top-k over the sequence looks ahead, so a token is routed iff its causal
@@ -17,9 +17,17 @@ and consistent with causal routing (a routed token has weight > 0.5). "logit" is
 (weight 1) makes a capacity-1.0 block exactly the dense block. The BCE loss uses the router logit without
 detaching it, so the router learns from both losses; the predictor's input is detached.
 
-KV cache: a routed layer caches keys only for the tokens it processed, with their positions and a
-validity flag (`RoutedCacheLayer`). A skipped token is never a key in that layer, cached or not, so
-generation with and without the cache agree.
+KV cache: a routed layer caches keys only for the tokens it processed, with their slots (index in the
+token stream the cache has seen) and a validity flag (`RoutedCacheLayer`). A skipped token is never a
+key in that layer, cached or not, so generation with and without the cache agree. Causality among
+routed tokens is decided on slots, not on position ids.
+
+Attention maps (`output_attentions`): a routed layer returns the full [B, H, T, S] map of every token
+against every key slot, with zero rows and columns for the tokens it skipped (`expand_routed_attention`),
+so it lines up with the dense layers' maps.
+
+Packed sequences (position ids that restart inside a row) are refused by the model: top-k over a packed
+row would mix the sequences' routing budgets.
 """
 
 from __future__ import annotations
@@ -86,18 +94,16 @@ def plan_routing(
     expert parallelism: every rank must enter the MoE all-to-all, also when it routed nothing itself).
     """
     batch, seq = logits.shape
-    k = min(seq, math.ceil(capacity * seq))
-    scores = logits if pad is None else logits.masked_fill(pad, torch.finfo(logits.dtype).min)
-    topk_index = torch.topk(scores, k, dim=-1, sorted=False).indices
-    topk_mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, topk_index, True)
+    topk_index, topk_valid = _topk_per_row(logits, capacity, pad)
+    topk_mask = torch.zeros_like(logits, dtype=torch.bool)
+    topk_mask.scatter_(1, topk_index, True if topk_valid is None else topk_valid)
     causal_logits = predicted if predicted is not None else logits
     causal_mask = causal_logits > 0
     real = None if pad is None else ~pad
 
     if mode == "topk":
-        index = topk_index.sort(dim=-1).values
-        valid = None if pad is None else real.gather(1, index)
-        routed = topk_mask if real is None else topk_mask & real
+        index, valid = topk_index, topk_valid
+        routed = topk_mask
     else:
         routed = causal_mask if real is None else causal_mask & real
         counts = routed.sum(dim=-1)
@@ -129,6 +135,30 @@ def plan_routing(
     return MoDPlan(index, valid, weight, stats)
 
 
+def _topk_per_row(
+    logits: torch.Tensor, capacity: float, pad: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Top-k tokens of each row, k = ceil(capacity * real tokens of the row), in sequence order.
+
+    Counting only real tokens keeps routing independent of how much padding a batch adds: with
+    k = ceil(capacity * padded length) a short row would route every real token. Without padding the
+    result is [B, k] with no validity mask. With padding, [B, K] with K = ceil(capacity * T) (a
+    static width, so no host sync) and `valid` marking the first k of the row; the valid slots come
+    first, each group in sequence order.
+    """
+    seq = logits.shape[1]
+    width = min(seq, math.ceil(capacity * seq))
+    if pad is None:
+        return torch.topk(logits, width, dim=-1, sorted=False).indices.sort(dim=-1).values, None
+    scores = logits.masked_fill(pad, torch.finfo(logits.dtype).min)
+    top = torch.topk(scores, width, dim=-1, sorted=True).indices  # best first
+    # the same float64 rounding as math.ceil(capacity * seq) above, so an unpadded row gets the same k
+    k = torch.ceil((~pad).sum(dim=-1).double() * capacity).long()
+    valid = torch.arange(width, device=logits.device) < k[:, None]
+    order = torch.argsort(torch.where(valid, top, top + seq), dim=-1)
+    return top.gather(1, order), valid.gather(1, order)
+
+
 def _router_weight(logits: torch.Tensor, weight_fn: str) -> torch.Tensor:
     if weight_fn == "sigmoid":
         return torch.sigmoid(logits)
@@ -156,15 +186,15 @@ def scatter_delta(x: torch.Tensor, index: torch.Tensor, delta: torch.Tensor) -> 
 
 
 def routed_attention_mask(
-    query_positions: torch.Tensor, key_positions: torch.Tensor, key_valid: torch.Tensor | None
+    query_slots: torch.Tensor, key_slots: torch.Tensor, key_valid: torch.Tensor | None
 ) -> torch.Tensor:
-    """Boolean [B, 1, Q, K] mask for gathered tokens: a query sees valid keys at positions <= its own.
+    """Boolean [B, 1, Q, K] mask for gathered tokens: a query sees valid keys at stream slots <= its own.
 
     The queries are the last Q keys; each always sees itself, so a padding slot never gets an empty row
     (its output is discarded, but an all-masked softmax would give NaN).
     """
-    num_q, num_k = query_positions.shape[1], key_positions.shape[1]
-    allowed = key_positions[:, None, :] <= query_positions[:, :, None]
+    num_q, num_k = query_slots.shape[1], key_slots.shape[1]
+    allowed = key_slots[:, None, :] <= query_slots[:, :, None]
     if key_valid is not None:
         allowed = allowed & key_valid[:, None, :]
     own = torch.arange(num_k, device=allowed.device)[None, :] == (num_k - num_q + torch.arange(
@@ -172,30 +202,57 @@ def routed_attention_mask(
     return (allowed | own).unsqueeze(1)
 
 
-class RoutedCacheLayer(DynamicLayer):
-    """KV cache of a routed layer: keys of processed tokens only, with their positions and validity.
+def expand_routed_attention(
+    weights: torch.Tensor,
+    query_rows: torch.Tensor,
+    query_valid: torch.Tensor | None,
+    key_slots: torch.Tensor,
+    key_valid: torch.Tensor | None,
+    seq: int,
+    kv_len: int,
+) -> torch.Tensor:
+    """Attention weights of gathered tokens [B, H, Q, K] -> the full map [B, H, seq, kv_len].
 
-    `get_seq_length()` counts every token the model has seen (what position ids and the dense layers'
-    masks need), not the number of cached keys.
+    `query_rows` [B, Q] are the queries' rows among this call's `seq` tokens, `key_slots` [B, K] the
+    keys' stream slots. Skipped tokens get zero rows (they attended nothing here) and zero columns (no
+    one attended to them); invalid slots contribute nothing.
+    """
+    batch, heads, num_q, num_k = weights.shape
+    if query_valid is not None:
+        weights = weights * query_valid[:, None, :, None]
+    if key_valid is not None:
+        weights = weights * key_valid[:, None, None, :]
+    columns = weights.new_zeros(batch, heads, num_q, kv_len)
+    columns.scatter_add_(3, key_slots[:, None, None, :].expand(batch, heads, num_q, num_k), weights)
+    full = weights.new_zeros(batch, heads, seq, kv_len)
+    return full.scatter_add_(2, query_rows[:, None, :, None].expand(batch, heads, num_q, kv_len), columns)
+
+
+class RoutedCacheLayer(DynamicLayer):
+    """KV cache of a routed layer: keys of processed tokens only, with their stream slots and validity.
+
+    `slots` [B, L] holds each key's index in the token stream this cache has seen. `get_seq_length()`
+    counts every token the model has seen (what position ids and the dense layers' masks need), not the
+    number of cached keys; the layer may hold no keys at all while that count is above 0.
     """
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.positions: torch.Tensor | None = None
+        self.slots: torch.Tensor | None = None
         self.key_valid: torch.Tensor | None = None
         self.seen_tokens = 0
 
-    def append(self, keys, values, positions, valid):
-        """Add this call's keys; returns all keys, values, positions [B, L], validity [B, L]."""
+    def append(self, keys, values, slots, valid):
+        """Add this call's keys; returns all keys, values, slots [B, L], validity [B, L]."""
         if valid is None:
-            valid = torch.ones_like(positions, dtype=torch.bool)
+            valid = torch.ones_like(slots, dtype=torch.bool)
         keys, values = super().update(keys, values)
-        if self.positions is None:
-            self.positions, self.key_valid = positions, valid
+        if self.slots is None:
+            self.slots, self.key_valid = slots, valid
         else:
-            self.positions = torch.cat([self.positions, positions], dim=1)
+            self.slots = torch.cat([self.slots, slots], dim=1)
             self.key_valid = torch.cat([self.key_valid, valid], dim=1)
-        return keys, values, self.positions, self.key_valid
+        return keys, values, self.slots, self.key_valid
 
     def advance(self, num_tokens: int) -> None:
         self.seen_tokens += num_tokens
@@ -208,7 +265,7 @@ class RoutedCacheLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.positions = self.key_valid = None
+        self.slots = self.key_valid = None
         self.seen_tokens = 0
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -217,29 +274,30 @@ class RoutedCacheLayer(DynamicLayer):
         if tokens_to_remove == 0:
             return
         self.seen_tokens = max(0, self.seen_tokens + tokens_to_remove)
-        if self.positions is None:
+        if self.slots is None:
             return
-        self.key_valid = self.key_valid & (self.positions < self.seen_tokens)
+        self.key_valid = self.key_valid & (self.slots < self.seen_tokens)
         keep = int(self.key_valid.any(dim=0).nonzero().max()) + 1 if self.key_valid.any() else 0
         self.keys, self.values = self.keys[..., :keep, :], self.values[..., :keep, :]
-        self.positions, self.key_valid = self.positions[:, :keep], self.key_valid[:, :keep]
+        self.slots, self.key_valid = self.slots[:, :keep], self.key_valid[:, :keep]
+
+    # The batch operations below act on stored keys only: DynamicLayer's versions test get_seq_length(),
+    # which here counts tokens seen, and would index keys that a layer that routed nothing never stored.
+    def _map_batch(self, fn) -> None:
+        if self.slots is None:
+            return
+        self.keys, self.values, self.slots, self.key_valid = (
+            fn(t) for t in (self.keys, self.values, self.slots, self.key_valid)
+        )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        if self.positions is not None:
-            self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
-            self.key_valid = self.key_valid.index_select(0, beam_idx.to(self.key_valid.device))
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        if self.positions is not None:
-            self.positions = self.positions.repeat_interleave(repeats, dim=0)
-            self.key_valid = self.key_valid.repeat_interleave(repeats, dim=0)
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        if self.positions is not None:
-            self.positions, self.key_valid = self.positions[indices], self.key_valid[indices]
+        self._map_batch(lambda t: t[indices, ...])
 
 
 def install_routed_cache_layers(cache: Cache, routed_layers: list[int], num_layers: int) -> None:
@@ -265,5 +323,5 @@ def install_routed_cache_layers(cache: Cache, routed_layers: list[int], num_laye
 
 __all__ = [
     "MoDRouter", "MoDPlan", "MoDStats", "plan_routing", "gather_tokens", "scatter_delta",
-    "routed_attention_mask", "RoutedCacheLayer", "install_routed_cache_layers",
+    "routed_attention_mask", "expand_routed_attention", "RoutedCacheLayer", "install_routed_cache_layers",
 ]

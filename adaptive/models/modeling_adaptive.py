@@ -28,6 +28,7 @@ from adaptive.models.configuration_adaptive import AdaptiveConfig
 from adaptive.models.mod import (
     MoDRouter,
     MoDStats,
+    expand_routed_attention,
     gather_tokens,
     install_routed_cache_layers,
     plan_routing,
@@ -121,11 +122,13 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
 
 
 class RoutedKeys(NamedTuple):
-    """Positions/validity of the gathered tokens a routed layer attends over."""
+    """Where the gathered tokens of a routed layer sit, and which are real."""
 
-    positions: torch.Tensor  # [B, K]
+    rows: torch.Tensor  # [B, K] int64: row among this call's `seq` tokens
+    slots: torch.Tensor  # [B, K] int64: index in the token stream the cache has seen (rows + past tokens)
     valid: torch.Tensor | None  # [B, K] bool, None = all valid
     plain_causal: bool  # sorted, all valid, no cache: the gathered tokens need only a causal mask
+    seq: int  # tokens in this call
 
 
 class AdaptiveAttention(nn.Module):
@@ -156,7 +159,9 @@ class AdaptiveAttention(nn.Module):
             if cache is not None:
                 key, value = cache.update(key, value, self.layer_idx)
         else:
-            key, value, attention_mask = self._routed_keys_and_mask(routed, key, value, cache, query.dtype)
+            key, value, attention_mask, key_slots, key_valid, kv_len = self._routed_keys_and_mask(
+                routed, key, value, cache, query.dtype
+            )
 
         interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -165,22 +170,28 @@ class AdaptiveAttention(nn.Module):
             self, query, key, value, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
         )
+        if routed is not None and weights is not None and kwargs.get("output_attentions"):
+            weights = expand_routed_attention(weights, routed.rows, routed.valid, key_slots, key_valid, routed.seq,
+                                              kv_len)
         return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
     def _routed_keys_and_mask(self, routed: RoutedKeys, key, value, cache, dtype):
-        """Keys/values (cached ones first) and the mask for a routed layer's gathered tokens."""
+        """Keys/values (cached ones first), the mask, and the keys' slots, validity and total count
+        (tokens seen, routed or not: the width of the full attention map) for a routed layer."""
         sdpa = self.config._attn_implementation == "sdpa"
         if cache is None:
-            if routed.plain_causal and sdpa:
-                return key, value, None  # SDPA's is_causal on the gathered, position-sorted tokens
-            key_positions, key_valid = routed.positions, routed.valid
+            kv_len = routed.seq
+            if routed.plain_causal and sdpa:  # SDPA's is_causal on the gathered, stream-sorted tokens
+                return key, value, None, routed.slots, routed.valid, kv_len
+            key_slots, key_valid = routed.slots, routed.valid
         else:
             layer = cache.layers[self.layer_idx]
-            key, value, key_positions, key_valid = layer.append(key, value, routed.positions, routed.valid)
-        mask = routed_attention_mask(routed.positions, key_positions, key_valid)
+            kv_len = layer.seen_tokens + routed.seq
+            key, value, key_slots, key_valid = layer.append(key, value, routed.slots, routed.valid)
+        mask = routed_attention_mask(routed.slots, key_slots, key_valid)
         if not sdpa:  # eager adds the mask to the scores
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-        return key, value, mask
+        return key, value, mask, key_slots, key_valid, kv_len
 
 
 class LayerOutput(NamedTuple):
@@ -277,15 +288,19 @@ class AdaptiveDecoderLayer(GradientCheckpointingLayer):
         plan = plan_routing(logits, predicted, self.config.mod_capacity, mode, self.config.mod_router_weight, pad,
                             self._expert_parallel_group())
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
+        past = layer_cache.seen_tokens if layer_cache is not None else 0
         if plan.index.shape[1] == 0:  # causal routing chose no token in the whole batch
             if layer_cache is not None:
                 layer_cache.advance(seq)
             moe = _empty_moe_stats(self.config, hidden_states.device) if self.is_moe else None
-            return hidden_states, LayerOutput(moe, plan.stats, None)
+            attn = None
+            if kwargs.get("output_attentions"):  # nothing attended: an all-zero map of the usual shape
+                attn = hidden_states.new_zeros(batch, self.config.num_attention_heads, seq, past + seq)
+            return hidden_states, LayerOutput(moe, plan.stats, attn)
 
-        positions = gather_tokens(position_ids.expand(batch, seq), plan.index)
         cos, sin = (gather_tokens(t.expand(batch, seq, -1), plan.index) for t in position_embeddings)
-        routed = RoutedKeys(positions, plan.valid, mode == "topk" and cache is None and plan.valid is None)
+        plain_causal = mode == "topk" and cache is None and plan.valid is None
+        routed = RoutedKeys(plan.index, plan.index + past, plan.valid, plain_causal, seq)
         selected = gather_tokens(hidden_states, plan.index)
         delta, moe, attn = self._block(selected, (cos, sin), None, cache, routed, plan.valid, **kwargs)
         if layer_cache is not None:
@@ -335,17 +350,19 @@ class AdaptiveModelOutputWithPast(ModelOutput):
 class AdaptiveCausalLMOutputWithPast(ModelOutput):
     """Like transformers' MoeCausalLMOutputWithPast, plus router statistics.
 
+    Field order follows transformers' causal LM outputs: `outputs[0]` is the loss when labels are given,
+    else the logits (`aux_loss` comes after the attentions, so it is never first).
     `loss` = LM loss + `aux_loss` (when labels are given). `past_key_values` still reads `cache`. `aux_loss` = router_aux_loss_coef * mean
     l_aux + router_z_loss_coef * mean z-loss over MoE layers + mod_aux_loss_coef * mean BCE over MoD
     layers; None for a dense model.
     """
 
     loss: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     cache: Cache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
+    aux_loss: torch.Tensor | None = None
     router_stats: AdaptiveRouterStats | None = None
     router_logits: tuple[torch.Tensor, ...] | None = None
 
@@ -428,13 +445,14 @@ class AdaptivePreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' loader; under expert parallelism it then reloads this rank's experts by global id."""
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, info) with output_loading_info=True
         if model.config.ep_size > 1 and model.config.moe_layers:
             from adaptive.models.moe_deepspeed import load_local_experts
 
             model.setup_expert_parallel()
             load_local_experts(model, pretrained_model_name_or_path)
-        return model
+        return loaded
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """A portable checkpoint: every expert, and a config that loads with the native MoE on one device.
@@ -512,16 +530,23 @@ class AdaptiveModel(AdaptivePreTrainedModel):
 
         # Which new tokens are real: MoD routes only those, MoE gives padding no expert capacity.
         padding_mask = None
-        if attention_mask is not None and config.mod_layers and attention_mask.dim() != 2:
+        prepared = isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() != 2)
+        if prepared and config.mod_layers:
             raise AdaptiveError("MoD-routed models take a 2D attention_mask (batch, past + new tokens)")
-        if attention_mask is not None and attention_mask.dim() == 2 and (config.mod_layers or config.moe_layers):
+        if attention_mask is not None and not prepared and (config.mod_layers or config.moe_layers):
             current = attention_mask[:, -seq:].bool()
             padding_mask = None if bool(current.all()) else current  # unpadded batches keep the fast path
-        # Only caller-given position ids can describe packed sequences; checking ours would cost a host sync.
-        causal_mask = create_causal_mask(
-            config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
-            position_ids=given_position_ids,
-        )
+        if config.mod_layers and seq > 1 and (given_position_ids is not None or "cu_seq_lens_q" in kwargs):
+            _refuse_packed_sequences(given_position_ids, padding_mask, kwargs)
+        if isinstance(attention_mask, dict):
+            # generate() with a compileable (static) cache prepares the masks per attention kind
+            causal_mask = attention_mask["full_attention"]
+        else:
+            # Only caller-given position ids can describe packed sequences; checking ours would cost a host sync.
+            causal_mask = create_causal_mask(
+                config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+                position_ids=given_position_ids,
+            )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         all_hidden = [hidden_states] if output_hidden_states else None
@@ -553,6 +578,24 @@ class AdaptiveModel(AdaptivePreTrainedModel):
             aux_loss=aux_loss,
             router_stats=router_stats,
             router_logits=router_logits,
+        )
+
+
+def _refuse_packed_sequences(position_ids, padding_mask, kwargs) -> None:
+    """Raise if a batch packs several sequences per row (position ids restart, or flash-attention
+    sequence boundaries): MoD's per-row top-k would share one routing budget across them."""
+    if "cu_seq_lens_q" in kwargs:
+        restarts = True
+    else:
+        step = position_ids[:, 1:] - position_ids[:, :-1]
+        inside = torch.ones_like(step, dtype=torch.bool)
+        if padding_mask is not None:  # left padding's placeholder positions are not a restart
+            inside = padding_mask[:, 1:] & padding_mask[:, :-1]
+        restarts = bool(((step != 1) & inside).any())  # one host sync, only for caller-given position ids
+    if restarts:
+        raise AdaptiveError(
+            "packed sequences (position_ids that restart inside a row) are not supported by MoD-routed models; "
+            "pad each sequence to its own row instead"
         )
 
 

@@ -163,6 +163,6 @@ def test_cache_crop_forgets_routed_keys_past_the_cut():
         a, b = full.layers[i], short.layers[i]
         assert a.get_seq_length() == b.get_seq_length() == 9
         for row in range(2):
-            assert a.positions[row][a.key_valid[row]].tolist() == b.positions[row][b.key_valid[row]].tolist()
+            assert a.slots[row][a.key_valid[row]].tolist() == b.slots[row][b.key_valid[row]].tolist()
     nxt = ids[:, 9:10]
     torch.testing.assert_close(model(nxt, cache=full).logits, model(nxt, cache=short).logits)

@@ -65,7 +65,7 @@ def test_mod_cache_holds_keys_of_routed_tokens_only():
     hidden = model(ids, attention_mask=mask, output_hidden_states=True).hidden_states[routed_layer]
     routed = (model.model.layers[routed_layer].mod.router(hidden).squeeze(-1) > 0) & mask.bool()
     for row in range(2):
-        cached = layer.positions[row][layer.key_valid[row]].tolist()
+        cached = layer.slots[row][layer.key_valid[row]].tolist()
         assert cached == routed[row].nonzero().flatten().tolist()
     assert layer.keys.shape[2] == int(routed.sum(1).max())
 
