@@ -249,26 +249,29 @@ class AdaptiveDecoderLayer(GradientCheckpointingLayer):
         **kwargs,
     ) -> tuple[torch.Tensor, LayerOutput]:
         if self.mod is None:
-            delta, moe, attn = self._block(hidden_states, position_embeddings, attention_mask, cache, None,
-                                           padding_mask, **kwargs)
-            return hidden_states + delta, LayerOutput(moe, None, attn)
+            out, moe, attn = self._block(hidden_states, position_embeddings, attention_mask, cache, None,
+                                         padding_mask, **kwargs)
+            return out, LayerOutput(moe, None, attn)
         return self._routed_forward(hidden_states, position_ids, cache, position_embeddings, padding_mask, **kwargs)
 
     def _block(self, hidden_states, position_embeddings, attention_mask, cache, routed, used, **kwargs):
-        """The block's output delta (attention + MLP), its MoE stats and attention weights.
+        """The block's output, its MoE stats and attention weights. A routed block (`routed` given) returns
+        its output *delta* (attention + MLP), which the router weight scales; a plain one returns
+        `(x + attention) + MLP`, added in Llama's order so that exported models give bitwise-equal logits.
 
         `used` [B, T] marks real tokens for the MoE (padding and empty MoD slots take no expert capacity).
         """
         attn, weights = self.self_attn(
             self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, routed, **kwargs
         )
-        mlp_in = self.post_attention_layernorm(hidden_states + attn)
+        residual = hidden_states + attn
+        mlp_in = self.post_attention_layernorm(residual)
         moe = None
         if self.is_moe:
             mlp_out, moe = self.mlp(mlp_in, used)
         else:
             mlp_out = self.mlp(mlp_in)
-        return attn + mlp_out, moe, weights
+        return (attn + mlp_out if routed is not None else residual + mlp_out), moe, weights
 
     def _expert_parallel_group(self):
         """The EP group of a hybrid layer's DeepSpeed MoE (ep_size > 1), else None."""

@@ -1,0 +1,178 @@
+"""Export to the model types the ecosystem loads: `llama` for dense models, `mixtral` for plain MoE models.
+
+Serving stacks and tools (vLLM, llama.cpp converters, lm-evaluation-harness) know `llama` and `mixtral`, not
+`adaptive`. A model is written as one of them only when that class computes the same function:
+
+- `llama`: every block dense; q/k/v/o biases all on or all off (Llama has one `attention_bias`).
+- `mixtral`: every block MoE, top-2, no biases; routing that Mixtral's router reproduces in inference
+  (softmax, top-2, weights renormalised over the two, nothing dropped). That rules out a selection bias
+  (the orchestrator's aux-loss-free balancing: Mixtral has no place for it), an eval capacity that drops
+  tokens, Gumbel sampling of the second expert, and top-1 (DeepSpeed's top-1 weight is the gate
+  probability; Mixtral renormalises it to 1).
+- MoD and hybrid models, and anything above that is not representable, stay `adaptive`.
+
+`choose_format` says which format and why; `export_pretrained` writes it. The mapping of weights is a
+renaming plus stacking the experts into Mixtral's 3D `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from adaptive.errors import AdaptiveError
+from adaptive.models.configuration_adaptive import AdaptiveConfig
+
+FORMATS = ("auto", "llama", "mixtral", "adaptive")
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(\w+)\.weight$")
+_GATE = re.compile(r"^(model\.layers\.\d+\.mlp)\.deepspeed_moe\.gate\.wg\.weight$")
+_BIAS = re.compile(r"^(model\.layers\.\d+\.mlp)\.deepspeed_moe\.gate\.e_score_correction_bias$")
+
+
+class ExportFormat(NamedTuple):
+    format: str  # "llama" | "mixtral" | "adaptive"
+    reason: str  # why this format (and, for "adaptive", why not a portable one)
+
+
+def _llama_blockers(config: AdaptiveConfig) -> list[str]:
+    out = []
+    if any(t != "dense" for t in config.block_types):
+        out.append(f"Llama has only dense blocks; this model has {sorted(set(config.block_types) - {'dense'})}")
+    if config.qkv_bias != config.o_bias:
+        out.append(f"Llama has one attention_bias; qkv_bias={config.qkv_bias} but o_bias={config.o_bias}")
+    return out
+
+
+def _mixtral_blockers(config: AdaptiveConfig, state_dict: dict | None) -> list[str]:
+    out = []
+    if any(t != "moe" for t in config.block_types):
+        out.append(f"Mixtral has an MoE MLP in every block; block_types are {sorted(set(config.block_types))}")
+    if config.qkv_bias or config.o_bias or config.mlp_bias:
+        out.append("Mixtral has no attention or MLP biases")
+    if config.moe_layers:
+        if config.num_experts_per_tok != 2:
+            out.append("top-1 routing weights each token by its gate probability; Mixtral renormalises it to 1")
+        if config.eval_capacity_factor is not None and config.drop_tokens:
+            out.append(f"eval_capacity_factor={config.eval_capacity_factor} drops tokens in inference; Mixtral never does")
+        if config.top2_2nd_expert_sampling:
+            out.append("top2_2nd_expert_sampling samples the second expert; Mixtral's router is deterministic")
+    if state_dict is not None and any(_BIAS.match(k) and bool(v.abs().sum() > 0) for k, v in state_dict.items()):
+        out.append("the expert selection bias (the orchestrator's aux-loss-free balancing) is in use; "
+                   "it is not representable in Mixtral")
+    return out
+
+
+def choose_format(config: AdaptiveConfig, state_dict: dict | None = None, requested: str = "auto") -> ExportFormat:
+    """The format to write: the most portable one that computes the same function, or the requested one.
+
+    Raises AdaptiveError when `requested` is a portable format this model cannot be written as.
+    """
+    if requested not in FORMATS:
+        raise AdaptiveError(f"export format must be one of {', '.join(FORMATS)}, got {requested!r}")
+    llama, mixtral = _llama_blockers(config), _mixtral_blockers(config, state_dict)
+    if requested == "llama" and llama:
+        raise AdaptiveError(f"cannot export as llama: {llama[0]}")
+    if requested == "mixtral" and mixtral:
+        raise AdaptiveError(f"cannot export as mixtral: {mixtral[0]}")
+    if requested == "adaptive":
+        return ExportFormat("adaptive", "requested")
+    if requested in ("llama", "mixtral"):
+        return ExportFormat(requested, "requested")
+    if not llama:
+        return ExportFormat("llama", "dense model: loads as LlamaForCausalLM")
+    if config.moe_layers and not config.mod_layers and not mixtral:
+        return ExportFormat("mixtral", "MoE model without selection bias: loads as MixtralForCausalLM")
+    why = mixtral if config.moe_layers and not config.mod_layers else llama
+    if config.mod_layers:
+        why = ["MoD routing has no equivalent in transformers' model classes"]
+    return ExportFormat("adaptive", "; ".join(why))
+
+
+def _common_fields(config: AdaptiveConfig) -> dict:
+    return dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim, hidden_act=config.hidden_act, max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps, rope_parameters=dict(config.rope_parameters),
+        initializer_range=config.initializer_range, tie_word_embeddings=config.tie_word_embeddings,
+        attention_dropout=config.attention_dropout, pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, dtype=config.dtype,
+    )
+
+
+def llama_config(config: AdaptiveConfig):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_common_fields(config), intermediate_size=config.intermediate_size,
+                       attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias)
+
+
+def mixtral_config(config: AdaptiveConfig):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**_common_fields(config), intermediate_size=config.moe_intermediate_size,
+                         num_local_experts=config.num_local_experts, num_experts_per_tok=config.num_experts_per_tok,
+                         router_aux_loss_coef=config.router_aux_loss_coef, sliding_window=None)
+
+
+def mixtral_state_dict(state_dict: dict, num_experts: int) -> dict:
+    """Our (DeepSpeed-layout) MoE keys -> Mixtral's: the router, and the experts stacked into 3D tensors."""
+    out, experts = {}, {}
+    for key, value in state_dict.items():
+        if match := _EXPERT.match(key):
+            experts.setdefault(match.group(1), {})[(int(match.group(2)), match.group(3))] = value
+        elif match := _GATE.match(key):
+            out[f"{match.group(1)}.gate.weight"] = value
+        elif not _BIAS.match(key):
+            out[key] = value
+    for prefix, weights in experts.items():
+        out[f"{prefix}.experts.gate_up_proj"] = torch.stack([
+            torch.cat([weights[(e, "gate_proj")], weights[(e, "up_proj")]]) for e in range(num_experts)
+        ])
+        out[f"{prefix}.experts.down_proj"] = torch.stack([weights[(e, "down_proj")] for e in range(num_experts)])
+    return out
+
+
+def export_pretrained(model, target: str | Path, requested: str = "auto", state_dict: dict | None = None,
+                      is_main_process: bool = True) -> ExportFormat:
+    """Write `model` (an AdaptiveForCausalLM) to `target` in the most portable format (or `requested`).
+
+    Under DeepSpeed expert parallelism the experts are gathered first: call it on every rank. `state_dict`
+    is a full state dict gathered by the caller (ZeRO-3), else the model's own.
+    """
+    if state_dict is None:
+        state_dict = model.global_state_dict()  # a collective under expert parallelism
+    chosen = choose_format(model.config, state_dict, requested)
+    if not is_main_process:
+        return chosen
+    if chosen.format == "adaptive":
+        model.save_pretrained(target, state_dict=state_dict)
+        return chosen
+    from transformers import LlamaForCausalLM, MixtralForCausalLM
+
+    if chosen.format == "llama":
+        cls, config, weights = LlamaForCausalLM, llama_config(model.config), dict(state_dict)
+    else:
+        cls, config = MixtralForCausalLM, mixtral_config(model.config)
+        weights = mixtral_state_dict(state_dict, model.config.num_local_experts)
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        portable = cls(config)
+    # assign=True adopts our tensors without a copy; then the non-persistent buffers (RoPE) are rebuilt
+    missing, unexpected = portable.load_state_dict(weights, strict=False, assign=True)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise AdaptiveError(f"export as {chosen.format}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if config.tie_word_embeddings:
+        portable.tie_weights()
+    portable.save_pretrained(target)
+    return chosen
+
+
+__all__ = ["FORMATS", "ExportFormat", "choose_format", "export_pretrained", "llama_config", "mixtral_config",
+           "mixtral_state_dict"]
