@@ -7,7 +7,7 @@ import sys
 import typer
 
 from adaptive.errors import AdaptiveError
-from cli import catalog, compare, fit, launch, measure, report
+from cli import catalog, compare, export, fit, launch, measure, report
 
 app = typer.Typer(
     name="adaptive",
@@ -22,6 +22,7 @@ app.command("gpus")(catalog.gpus)
 app.command("compare")(compare.compare)
 app.command("measure")(measure.measure)
 app.command("report")(report.report)
+app.command("export")(export.export)
 app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
     launch.launch
 )

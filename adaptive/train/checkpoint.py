@@ -21,9 +21,12 @@ Resume verifies COMPLETE.json (files present, sizes equal) and falls back to the
 checkpoint that verifies. Checkpoints assume a filesystem all nodes share (as DeepSpeed's do).
 
 The HF export (`export_hf`) writes safetensors + config + tokenizer that
-`AutoModelForCausalLM.from_pretrained` loads without DeepSpeed (after `import adaptive`): ZeRO-3
-weights are consolidated by DeepSpeed (stage3_gather_16bit_weights_on_model_save), expert-parallel
-experts are gathered by the model's own `save_pretrained`.
+`AutoModelForCausalLM.from_pretrained` loads without DeepSpeed: ZeRO-3 weights are consolidated by
+DeepSpeed (stage3_gather_16bit_weights_on_model_save), expert-parallel experts are gathered first. By
+default it picks the most portable format (`adaptive.models.export.choose_format`): `llama` for dense
+models, `mixtral` for plain MoE models, else `adaptive` (loads after `import adaptive`). The choice and
+its reason go into `adaptive_export.json`. `adaptive.train.export.convert_export` rewrites an existing
+export in another format (`adaptive export RUN_DIR --format ...`).
 """
 
 from __future__ import annotations
@@ -209,8 +212,14 @@ def load_checkpoint(accelerator: Any, path: Path) -> dict[str, Any]:
 # HF export
 
 
-def export_hf(accelerator: Any, engine: Any, tokenizer: Any, target: Path, metadata: dict[str, Any]) -> Path:
-    """Write an HF model folder (safetensors, config, tokenizer) to `target`, atomically. All ranks call it."""
+def export_hf(accelerator: Any, engine: Any, tokenizer: Any, target: Path, metadata: dict[str, Any],
+              export_format: str = "auto") -> Path:
+    """Write an HF model folder (safetensors, config, tokenizer) to `target`, atomically. All ranks call it.
+
+    `export_format`: "auto" (the most portable format the model allows), "llama", "mixtral" or "adaptive".
+    """
+    from adaptive.models.export import export_pretrained
+
     target = Path(target)
     tmp = target.with_name(f".{target.name}.tmp")
     main = accelerator.is_main_process
@@ -220,17 +229,20 @@ def export_hf(accelerator: Any, engine: Any, tokenizer: Any, target: Path, metad
     accelerator.wait_for_everyone()
     model = accelerator.unwrap_model(engine)
     config = model.config
+    chosen = None
     if accelerator.deepspeed_config["zero_optimization"]["stage"] == 3:
         # DeepSpeed gathers the partitioned 16-bit weights onto rank 0 (a collective)
         state_dict = accelerator.get_state_dict(engine)
         if main:
-            model.save_pretrained(tmp, state_dict=state_dict)
+            chosen = export_pretrained(model, tmp, export_format, state_dict=state_dict)
     elif config.ep_size > 1 and config.moe_layers:
-        model.save_pretrained(tmp, is_main_process=main)  # gathers every rank's experts (a collective)
+        # gathers every rank's experts (a collective)
+        chosen = export_pretrained(model, tmp, export_format, is_main_process=main)
     elif main:
-        model.save_pretrained(tmp)
+        chosen = export_pretrained(model, tmp, export_format)
     if main:
         tokenizer.save_pretrained(tmp)
+        metadata = {**metadata, "format": chosen.format, "format_reason": chosen.reason}
         (tmp / "adaptive_export.json").write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
         fsync_tree(tmp)
         if target.exists():

@@ -51,7 +51,7 @@ logger = get_logger(__name__)
 OOM_ERRORS = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),)
 EXPORT_REQUEST = "EXPORT"  # touch <output-dir>/EXPORT to export the model after the current step
 STOP_REQUEST = "STOP"  # touch <output-dir>/STOP to checkpoint and stop after the current step
-FINAL_EXPORT = "hf"
+FINAL_EXPORT = "hf"  # also known to adaptive.train.export (which imports no accelerate)
 
 
 @dataclass(frozen=True)
