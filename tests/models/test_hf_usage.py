@@ -165,3 +165,22 @@ def test_left_padded_generation_positions_are_not_taken_for_packing(arch):
     ids[1, :3], mask[1, :3] = PAD, 0
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # what generate() builds
     model(ids, attention_mask=mask, position_ids=positions)
+
+
+def test_batched_and_single_row_outputs_agree(arch):
+    # transformers' test_batching_equivalence minus the batch statistics (router_stats, aux_loss), which are
+    # aggregates of the whole batch by definition
+    model = eager(tiny_model(arch, pad_token_id=PAD)).eval()
+    ids = ids_batch(batch=3, seq=8)
+    mask = torch.tril(torch.ones(3, 8, dtype=torch.long))[-3:]  # rows of 6, 7 and 8 real tokens
+    ids = ids.masked_fill(mask == 0, PAD)
+    batched = model(ids, attention_mask=mask, output_hidden_states=True, output_attentions=True)
+    for row in range(3):
+        single = model(ids[row:row + 1], attention_mask=mask[row:row + 1], output_hidden_states=True,
+                       output_attentions=True)
+        real = mask[row].bool()
+        torch.testing.assert_close(single.logits[0, real], batched.logits[row, real], rtol=1e-5, atol=1e-5)
+        for a, b in zip(single.hidden_states, batched.hidden_states):
+            torch.testing.assert_close(a[0, real], b[row, real], rtol=1e-5, atol=1e-5)
+        for a, b in zip(single.attentions, batched.attentions):
+            torch.testing.assert_close(a[0][:, real][:, :, real], b[row][:, real][:, :, real], rtol=1e-5, atol=1e-5)
