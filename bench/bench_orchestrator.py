@@ -44,7 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from adaptive.orchestrator import policies  # noqa: E402
-from adaptive.orchestrator.callbacks import CallbackList, Control, TrainerState  # noqa: E402
+from adaptive.train.callbacks import CallbackList, Control, TrainerState  # noqa: E402
 
 
 def rss_bytes() -> int:

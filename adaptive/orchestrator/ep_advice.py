@@ -30,7 +30,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from adaptive.orchestrator.callbacks import Callback, Control, TrainerState
+from adaptive.orchestrator.registry import Policy, require
+from adaptive.orchestrator.contract import Control, TrainerState
 from adaptive.orchestrator.events import EventLog
 from adaptive.orchestrator.monitor import Monitor
 
@@ -45,6 +46,13 @@ class EPAdviceConfig:
     low_share: float = 0.05
     tight_fraction: float = 0.9
     vio_high: float = 1.0
+
+    def __post_init__(self) -> None:
+        require(self.sample_every >= 1, f"sample_every must be >= 1, got {self.sample_every}")
+        require(0 <= self.low_share <= self.high_share <= 1, "need 0 <= low_share <= high_share <= 1, got "
+                f"{self.low_share} and {self.high_share}")
+        require(0 < self.tight_fraction <= 1, f"tight_fraction must be in (0, 1], got {self.tight_fraction}")
+        require(self.vio_high > 0, f"vio_high must be positive, got {self.vio_high}")
 
 
 @dataclass(frozen=True)
@@ -103,7 +111,7 @@ def moe_layers_with_timers(model: Any) -> list[Any]:
     return [m for m in model.modules() if hasattr(m, "wall_clock_breakdown") and hasattr(m, "time_falltoall")]
 
 
-class EPAdvicePolicy(Callback):
+class EPAdvicePolicy:
     name = "ep"
 
     def __init__(self, monitor: Monitor, events: EventLog, config: EPAdviceConfig | None = None) -> None:
@@ -180,6 +188,9 @@ class EPAdvicePolicy(Callback):
                 "recommended_ep_size": rec.ep_size if rec else None, "reason": rec.reason if rec else None,
                 "command": rec.command if rec else None}
 
+
+
+POLICY = Policy(name="ep", config=EPAdviceConfig, build=EPAdvicePolicy)
 
 __all__ = ["EPAdviceConfig", "EPAdvicePolicy", "Recommendation", "moe_layers_with_timers", "recommend_ep_size",
            "replan_command", "valid_ep_sizes"]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from adaptive.errors import AdaptiveError
 
 if TYPE_CHECKING:
-    from adaptive.orchestrator.callbacks import Callback, TrainerState
+    from adaptive.train.callbacks import Callback, TrainerState
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ def run(args: RunArgs, callbacks: list[Callback] | None = None) -> TrainerState:
     from accelerate.utils import set_seed
 
     from adaptive.orchestrator import policies
-    from adaptive.orchestrator.callbacks import CallbackList, TrainerState
+    from adaptive.train.callbacks import CallbackList, TrainerState
     from adaptive.train import setup
     from adaptive.train.checkpoint import find_checkpoint
     from adaptive.train.display import configure_logging

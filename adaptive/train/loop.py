@@ -39,7 +39,7 @@ import torch
 from accelerate.logging import get_logger
 
 from adaptive.errors import AdaptiveError
-from adaptive.orchestrator.callbacks import CallbackList, Control, Knobs, TrainerState
+from adaptive.train.callbacks import CallbackList, Control, Knobs, TrainerState
 from adaptive.train import checkpoint as ckpt
 from adaptive.train.data import SampleIterator, eval_batches
 from adaptive.train.display import ProgressDisplay
@@ -310,7 +310,7 @@ def save(state: TrainerState, control: Control, loop: Loop) -> Path:
     }
     path = ckpt.save_checkpoint(state.accelerator, state.output_dir, state.step, trainer_state,
                                 loop.settings.keep_checkpoints)
-    state.last_checkpoint = path
+    state.last_checkpoint, state.last_checkpoint_step = path, state.step
     loop.callbacks.on_checkpoint(state, control, path=path)
     return path
 
@@ -452,7 +452,7 @@ def restore(state: TrainerState, loop: Loop, path: Path) -> None:
     state.step, state.tokens_seen = saved["step"], saved["tokens_seen"]
     state.skipped_steps, state.lr_scale = saved["skipped_steps"], saved["lr_scale"]
     state.samples_seen = saved["samples_seen"][state.accelerator.process_index]
-    state.last_checkpoint = Path(path)
+    state.last_checkpoint, state.last_checkpoint_step = Path(path), state.step
     control = Control(change_knobs={k: getattr(knobs, k) for k in Knobs.RUNTIME})
     apply_knob_changes(state, control, loop)
     _apply_lr_scale(state, loop, force=True)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from adaptive.errors import AdaptiveError
-from adaptive.orchestrator.callbacks import Knobs
+from adaptive.train.callbacks import Knobs
 from adaptive.plan import GPU, Plan, fit, get_gpu, make_request
 from adaptive.plan.emit import GRADIENT_CLIPPING, ds_config
 from adaptive.plan.gpus import match_detected_gpu

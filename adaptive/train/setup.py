@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from adaptive.errors import AdaptiveError
-from adaptive.orchestrator.callbacks import Knobs
+from adaptive.train.callbacks import Knobs
 from adaptive.train.runplan import RunPlan
 
 ADAM_BETAS = (0.9, 0.95)  # the user's regime (shared/DESIGN.md)

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from adaptive.orchestrator.callbacks import Callback
+from adaptive.train.callbacks import Callback
 from adaptive.train.entry import main
 from tests.train._driver import Recorder
 

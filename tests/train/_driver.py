@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from adaptive.orchestrator.callbacks import Callback
+from adaptive.train.callbacks import Callback
 from adaptive.train.entry import main
 
 
