@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from adaptive.config.run import DataOptions
 from adaptive.errors import AdaptiveError
 from adaptive.train.callbacks import Knobs
 from adaptive.train.runplan import RunPlan
@@ -96,16 +97,16 @@ class Data:
     eval: Any
 
 
-def load_data(args: Any, run: RunPlan, accelerator: Any, model_vocab_size: int) -> Data:
+def load_data(options: DataOptions, seed: int, run: RunPlan, accelerator: Any, model_vocab_size: int) -> Data:
     """Tokenizer and this rank's train/eval data (rank 0 fills the caches first)."""
     from adaptive.train.data import DataConfig, build_datasets
     from adaptive.train.tokenizer import load_tokenizer, require_fits_vocab
 
-    dataset = resolve_dataset(args.dataset, run.device.kind)
-    cfg = DataConfig(dataset=dataset, seq_len=run.knobs.seq_len, seed=args.seed,
-                     dataset_config=args.dataset_config, text_field=args.text_field)
+    dataset = resolve_dataset(options.dataset, run.device.kind)
+    cfg = DataConfig(dataset=dataset, seq_len=run.knobs.seq_len, seed=seed,
+                     dataset_config=options.dataset_config, text_field=options.text_field)
     with accelerator.main_process_first():
-        tokenizer = load_tokenizer(args.tokenizer)
+        tokenizer = load_tokenizer(options.tokenizer)
         require_fits_vocab(tokenizer, model_vocab_size)
         train, evaluation = build_datasets(cfg, tokenizer, rank=accelerator.process_index,
                                            world_size=accelerator.num_processes)
@@ -198,12 +199,9 @@ def default_warmup(max_steps: int) -> int:
     return max(1, min(2000, round(0.05 * max_steps)))
 
 
-def peak_lr(args: Any) -> float:
-    if args.lr is not None:
-        if args.lr <= 0:
-            raise AdaptiveError(f"--lr must be positive, got {args.lr}")
-        return args.lr
-    return DEFAULT_LR.get(args.preset, FALLBACK_LR)
+def peak_lr(lr: float | None, preset: str) -> float:
+    """--lr (the run configuration checked it is positive and finite), else the preset's default."""
+    return lr if lr is not None else DEFAULT_LR.get(preset, FALLBACK_LR)
 
 
 __all__ = ["ADAM_BETAS", "ADAM_EPS", "DEFAULT_LR", "Data", "build_model", "build_optimizer", "build_scheduler",

@@ -19,7 +19,7 @@ import sys
 import torch
 
 from adaptive.train.callbacks import Callback
-from adaptive.train.entry import main
+from adaptive.recipe import main
 from tests.train._driver import Recorder
 
 

@@ -160,7 +160,7 @@ def test_the_guard_counts_a_spike_against_the_median_and_lowers_the_lr_without_a
 def test_the_guard_stops_after_max_rollbacks(tmp_path):
     guard = GuardPolicy(Monitor(), EventLog(), GuardConfig(bad_steps=1, max_rollbacks=1))
     state = TrainerState(max_steps=100, knobs=knobs(), output_dir=tmp_path,
-                         last_checkpoint=tmp_path / "checkpoints" / "step_00000010")
+                         last_checkpoint=tmp_path / "checkpoints" / "step_00000010", last_checkpoint_step=10)
     outcomes = []
     for step in (12, 13):
         state.step, state.last_skip = step, "discarded"

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from adaptive.train.callbacks import Callback
-from adaptive.train.entry import main
+from adaptive.recipe import main
 
 
 class KillAfterCheckpoint(Callback):
