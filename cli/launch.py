@@ -28,7 +28,7 @@ def launch(
 ) -> int:
     """Plan a recipe's run, write ds_config.json, accelerate_config.yaml and plan.json, print the exact
     launch command and run it. Run options go to the recipe; arguments after `--` go to it as they are."""
-    from adaptive.train.launch import LaunchRequest, plan_launch, run_launch
+    from adaptive.launch import LaunchRequest, plan_launch, run_launch
 
     request = LaunchRequest(
         recipe=str(recipe), config=config, hostfile=str(hostfile) if hostfile else None,

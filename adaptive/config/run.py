@@ -285,5 +285,5 @@ def to_argv(config: RunConfig, command: str = TRAIN) -> list[str]:
     return argv
 
 
-__all__ = ["ESTIMATE", "FIT", "FIT_ONLY", "MEASURE", "SHAPE", "Flag", "LAUNCH", "PLANNING", "RUN", "RunConfig", "TRAIN", "check", "option",
-           "options_for", "run_fields", "to_argv"]
+__all__ = ["ESTIMATE", "FIT", "FIT_ONLY", "Flag", "LAUNCH", "MEASURE", "PLANNING", "RUN", "RunConfig", "SHAPE", "TRAIN",
+           "check", "option", "options_for", "run_fields", "to_argv"]

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from adaptive.config.run import DataOptions
-from adaptive.errors import AdaptiveError
+from adaptive.engine import moe_param_groups
+from adaptive.plan.blocks import block_type
 from adaptive.train.callbacks import Knobs
 from adaptive.train.runplan import RunPlan
 
@@ -130,7 +131,7 @@ def build_model(run: RunPlan, tokenizer: Any, seed: int) -> Any:
 
     knobs = run.knobs
     config = AdaptiveConfig.from_preset(
-        run.preset, arch=run.arch, moe_implementation="deepspeed" if run.arch in ("moe", "hybrid") else "native",
+        run.preset, arch=run.arch, moe_implementation="deepspeed" if block_type(run.arch).has_experts else "native",
         ep_size=knobs.ep_size, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
@@ -162,7 +163,7 @@ def reinit_local_experts(model: Any, seed: int) -> None:
 
 def param_groups(model: Any, weight_decay: float) -> list[dict]:
     """Decay on matrices, none on norms and biases; MoE experts in their own groups (DeepSpeed's
-    split_params_into_different_moe_groups_for_optimizer), as ZeRO with expert parallelism needs."""
+    adaptive.engine.moe_param_groups), as ZeRO with expert parallelism needs."""
     def matrix(p) -> bool:  # under ZeRO-3 init a parameter is a flat partition; ds_shape is its real shape
         return len(getattr(p, "ds_shape", p.shape)) >= 2
 
@@ -171,9 +172,7 @@ def param_groups(model: Any, weight_decay: float) -> list[dict]:
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
     if model.config.moe_layers and model.config.moe_implementation == "deepspeed":
-        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
-        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+        groups = moe_param_groups(groups)
     return [g for g in groups if g["params"]]
 
 

@@ -126,7 +126,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
 
 
 def test_without_dry_run_the_printed_command_runs_and_its_exit_code_is_returned(tmp_path, monkeypatch):
-    from adaptive.train import launch as launcher
+    from adaptive import launch as launcher
 
     from adaptive.config import RunConfig
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from adaptive.recipe import Recipe, load_recipe
 
 from adaptive.plan import ARCHS
 from tests.train._launch import REPO, accelerate_launch, launch_env, records, tail
@@ -38,10 +39,10 @@ def test_there_is_one_recipe_per_preset_and_arch_and_each_names_them():
     for path in RECIPES:
         preset, arch = path.stem.rsplit("_", 1)
         text = path.read_text()
-        assert f'main(preset="{preset}", arch="{arch}")' in text
+        assert load_recipe(path) == Recipe(model=preset, arch=arch)  # the declaration launch reads
         assert "accelerate launch" in text.split('"""')[1]  # the docstring gives the command
         code = [line for line in text.split('"""')[2].splitlines() if line.strip()]
-        assert len(code) == 3, code  # import, __main__ guard, main(preset, arch): nothing else
+        assert len(code) == 4, code  # import, the declaration, __main__ guard, recipe.main(): nothing else
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)

@@ -6,8 +6,9 @@
     adaptive launch recipes/b1_mod.py --gpu a100-80gb --gpus 8 --nodes 2 --hostfile hosts   # pdsh
 
 The preset and architecture come from the recipe's own declaration (`recipe = Recipe(model="b1",
-arch="mod")`), unless --model/--arch override them; launch takes every run option a recipe takes. The run folder gets ds_config.json, accelerate_config.yaml and plan.json (the same
-planner and emitters as `adaptive fit --out`). Every command is accelerate's launcher:
+arch="mod")`), unless --model/--arch override them; launch takes every run option a recipe takes.
+The run folder gets ds_config.json, accelerate_config.yaml and plan.json (the same planner and
+emitters as `adaptive fit --out`). Every command is accelerate's launcher:
 
 * one node: `accelerate launch --config_file RUN/accelerate_config.yaml RECIPE ...`;
 * several nodes without a hostfile: the same command on every node with its --machine_rank and
