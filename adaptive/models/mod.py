@@ -3,7 +3,8 @@
 A routed block sees only some tokens of each sequence; the rest ride the residual unchanged.
 
 - Training ("topk"): a scalar router scores every token; per sequence exactly k = ceil(capacity * T)
-  tokens are taken by `torch.topk` (T counts the row's real tokens: padding changes neither k nor the choice), kept in sequence order, gathered, run through the block with their
+  tokens are taken by `torch.topk` (T counts the row's real tokens, so padding changes neither k nor
+  the choice), kept in sequence order, gathered, run through the block with their
   original RoPE positions and a causal mask among them, and their output *delta* is scaled by the
   router weight and scattered back. No Python loop over the batch.
 - Inference ("causal"): top-k over the sequence looks ahead, so a token is routed iff its causal
