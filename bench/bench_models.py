@@ -13,7 +13,9 @@ Prints:
 - MoD (capacity 0.5) vs dense;
 - native MoE (8 experts, top-2, every layer) vs a dense model with the same active parameters; target <= 1.3x;
 - our native MoE block vs transformers' MixtralSparseMoeBlock with the same weights (outputs checked equal
-  first); target: not slower.
+  first), at 8, 32 and 64 experts (top-2, 2048 tokens, expert width 704); target: not slower.
+  Both blocks hold the same 3D expert tensors (Mixtral's layout); on CPU ours runs an exact per-expert
+  loop over the sorted groups, theirs `grouped_mm` (transformers' default) and `eager`.
 """
 
 from __future__ import annotations
@@ -70,19 +72,33 @@ def time_interleaved(cases: dict, repeats: int) -> dict[str, float]:
 
 
 def mixtral_twin(block) -> torch.nn.Module:
-    """transformers' MixtralSparseMoeBlock carrying the weights of our native block."""
+    """transformers' MixtralSparseMoeBlock carrying the weights of our native block (the same layout)."""
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    experts = block.deepspeed_moe.experts.deepspeed_experts
-    config = MixtralConfig(hidden_size=SHAPE["hidden_size"], intermediate_size=704, num_local_experts=len(experts),
+    config = MixtralConfig(hidden_size=SHAPE["hidden_size"], intermediate_size=704, num_local_experts=block.num_experts,
                            num_experts_per_tok=2)
     twin = MixtralSparseMoeBlock(config)
     with torch.no_grad():
-        twin.gate.weight.copy_(block.gate.wg.weight)
-        twin.experts.gate_up_proj.copy_(torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts]))
-        twin.experts.down_proj.copy_(torch.stack([e.down_proj.weight for e in experts]))
+        twin.gate.weight.copy_(block.gate.weight)
+        twin.experts.gate_up_proj.copy_(block.experts.gate_up_proj)
+        twin.experts.down_proj.copy_(block.experts.down_proj)
     return twin.train()
+
+
+def moe_block_rows(x: torch.Tensor, repeats: int, experts: int) -> tuple[dict[str, float], float]:
+    """ms per fwd+bwd of our block (no drop) and Mixtral's (grouped_mm, eager) at `experts` experts."""
+    ours = build("moe", drop_tokens=False, num_local_experts=experts).model.layers[0].mlp.train()
+    theirs = mixtral_twin(ours)
+    with torch.no_grad():
+        diff = (ours(x)[0] - theirs(x[None])[0]).abs().max().item()
+    assert diff < 1e-5, f"native MoE block and Mixtral block disagree by {diff} at {experts} experts"
+    theirs.experts.config._experts_implementation = "grouped_mm"  # transformers' default for Mixtral models
+    times = time_interleaved({"ours": lambda: block_step(ours, x),
+                              "mixtral_grouped_mm": lambda: block_step(theirs, x[None])}, repeats)
+    theirs.experts.config._experts_implementation = "eager"
+    times.update(time_interleaved({"mixtral_eager": lambda: block_step(theirs, x[None])}, repeats))
+    return times, diff
 
 
 def main() -> None:
@@ -92,13 +108,16 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--quick", action="store_true", help="2 repeats, seq 128")
+    parser.add_argument("--experts", type=int, nargs="+", default=[8, 32, 64],
+                        help="expert counts of the MoE block rows")
+    parser.add_argument("--blocks-only", action="store_true", help="only the MoE block rows (skip the models)")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.seq = 2, 128
     torch.set_num_threads(args.threads)
     ids = torch.randint(0, SHAPE["vocab_size"], (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
 
-    models = {
+    models = {} if args.blocks_only else {
         "dense": build("dense"),
         "mod_0.125": build("mod", mod_capacity=0.125),
         "mod_0.5": build("mod", mod_capacity=0.5),
@@ -106,22 +125,13 @@ def main() -> None:
         "dense_same_active": build("dense", intermediate_size=2 * 704),
     }
     times = time_interleaved({name: (lambda m=m: lm_step(m, ids)) for name, m in models.items()}, args.repeats)
+    if args.blocks_only:
+        times = dict.fromkeys(("dense", "mod_0.125", "mod_0.5", "moe_native", "dense_same_active"), float("nan"))
 
-    ours = build("moe", drop_tokens=False).model.layers[0].mlp.train()
-    theirs = mixtral_twin(ours)
     x = torch.randn(args.batch * args.seq, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        diff = (ours(x)[0] - theirs(x[None])[0]).abs().max().item()
-    assert diff < 1e-5, f"native MoE block and Mixtral block disagree by {diff}"
-    theirs.experts.config._experts_implementation = "grouped_mm"  # transformers' default for Mixtral models
     capacity_block = build("moe").model.layers[0].mlp.train()  # capacity_factor 1.0: the training default
-    blocks = time_interleaved({
-        "ours_no_drop": lambda: block_step(ours, x),
-        "ours_capacity_1.0": lambda: block_step(capacity_block, x),
-        "mixtral_grouped_mm": lambda: block_step(theirs, x[None]),
-    }, 3 * args.repeats)  # blocks are fast: more repeats for the same wall time
-    theirs.experts.config._experts_implementation = "eager"
-    blocks.update(time_interleaved({"mixtral_eager": lambda: block_step(theirs, x[None])}, 3 * args.repeats))
+    capacity_ms = time_interleaved({"c": lambda: block_step(capacity_block, x)}, 3 * args.repeats)["c"]
+    experts_rows = {e: moe_block_rows(x, 3 * args.repeats, e) for e in args.experts}  # blocks are fast: more repeats
 
     print(f"CPU, {args.threads} threads, batch {args.batch} x seq {args.seq}, hidden {SHAPE['hidden_size']}, "
           f"{SHAPE['num_hidden_layers']} layers, median of {args.repeats} fwd+bwd steps")
@@ -132,13 +142,16 @@ def main() -> None:
         ("MoD 0.5 / dense", times["mod_0.5"] / times["dense"], "report"),
         ("native MoE 8x top-2 / dense same active", times["moe_native"] / times["dense_same_active"], "<= 1.3"),
     ]
-    print(f"MoE block fwd+bwd on {x.shape[0]} tokens (outputs equal to Mixtral's within {diff:.1e}):")
-    for name, seconds in blocks.items():
-        print(f"  {name:<20} {seconds * 1e3:8.1f} ms/step")
-    rows += [
-        ("our MoE block / Mixtral block (grouped_mm)", blocks["ours_no_drop"] / blocks["mixtral_grouped_mm"], "<= 1.0"),
-        ("our MoE block / Mixtral block (eager)", blocks["ours_no_drop"] / blocks["mixtral_eager"], "<= 1.0"),
-    ]
+    print(f"MoE block fwd+bwd on {x.shape[0]} tokens, top-2, expert width 704 (ours with capacity 1.0, 8 experts: "
+          f"{capacity_ms * 1e3:.1f} ms/step):")
+    print(f"  {'experts':>7} {'ours':>9} {'grouped_mm':>11} {'eager':>9}   max |ours - Mixtral|")
+    for e, (t, diff) in experts_rows.items():
+        print(f"  {e:>7} {t['ours'] * 1e3:9.1f} {t['mixtral_grouped_mm'] * 1e3:11.1f} {t['mixtral_eager'] * 1e3:9.1f}"
+              f"   {diff:.1e}")
+        rows += [
+            (f"our MoE block / Mixtral grouped_mm, {e} experts", t["ours"] / t["mixtral_grouped_mm"], "<= 1.0"),
+            (f"our MoE block / Mixtral eager, {e} experts", t["ours"] / t["mixtral_eager"], "<= 1.0"),
+        ]
     for name, ratio, target in rows:
         print(f"{name:<45} {ratio:6.3f}x   target {target}")
 

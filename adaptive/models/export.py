@@ -11,8 +11,9 @@ Serving stacks and tools (vLLM, llama.cpp converters, lm-evaluation-harness) kno
   probability; Mixtral renormalises it to 1).
 - MoD and hybrid models, and anything above that is not representable, stay `adaptive`.
 
-`choose_format` says which format and why; `export_pretrained` writes it. The mapping of weights is a
-renaming plus stacking the experts into Mixtral's 3D `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]`.
+`choose_format` says which format and why; `export_pretrained` writes it. Our native MoE layout is Mixtral's
+(`gate.weight`, 3D `experts.gate_up_proj [E, 2I, H]` / `experts.down_proj [E, H, I]`), so the weights map
+one to one; a DeepSpeed-MoE model is converted to that layout first.
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ import torch
 
 from adaptive.errors import AdaptiveError
 from adaptive.models.configuration_adaptive import AdaptiveConfig
+from adaptive.models.moe import from_deepspeed_layout
 
 FORMATS = ("auto", "llama", "mixtral", "adaptive")
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(\w+)\.weight$")
-_GATE = re.compile(r"^(model\.layers\.\d+\.mlp)\.deepspeed_moe\.gate\.wg\.weight$")
-_BIAS = re.compile(r"^(model\.layers\.\d+\.mlp)\.deepspeed_moe\.gate\.e_score_correction_bias$")
+_BIAS = re.compile(r"^model\.layers\.\d+\.mlp\.(deepspeed_moe\.)?gate\.e_score_correction_bias$")
 
 
 class ExportFormat(NamedTuple):
@@ -119,22 +119,9 @@ def mixtral_config(config: AdaptiveConfig):
                          router_aux_loss_coef=config.router_aux_loss_coef, sliding_window=None)
 
 
-def mixtral_state_dict(state_dict: dict, num_experts: int) -> dict:
-    """Our (DeepSpeed-layout) MoE keys -> Mixtral's: the router, and the experts stacked into 3D tensors."""
-    out, experts = {}, {}
-    for key, value in state_dict.items():
-        if match := _EXPERT.match(key):
-            experts.setdefault(match.group(1), {})[(int(match.group(2)), match.group(3))] = value
-        elif match := _GATE.match(key):
-            out[f"{match.group(1)}.gate.weight"] = value
-        elif not _BIAS.match(key):
-            out[key] = value
-    for prefix, weights in experts.items():
-        out[f"{prefix}.experts.gate_up_proj"] = torch.stack([
-            torch.cat([weights[(e, "gate_proj")], weights[(e, "up_proj")]]) for e in range(num_experts)
-        ])
-        out[f"{prefix}.experts.down_proj"] = torch.stack([weights[(e, "down_proj")] for e in range(num_experts)])
-    return out
+def mixtral_state_dict(state_dict: dict) -> dict:
+    """Our state dict (either MoE layout) -> Mixtral's: our native layout is Mixtral's, less the selection bias."""
+    return {k: v for k, v in from_deepspeed_layout(state_dict).items() if not _BIAS.match(k)}
 
 
 def export_pretrained(model, target: str | Path, requested: str = "auto", state_dict: dict | None = None,
@@ -158,7 +145,7 @@ def export_pretrained(model, target: str | Path, requested: str = "auto", state_
         cls, config, weights = LlamaForCausalLM, llama_config(model.config), dict(state_dict)
     else:
         cls, config = MixtralForCausalLM, mixtral_config(model.config)
-        weights = mixtral_state_dict(state_dict, model.config.num_local_experts)
+        weights = mixtral_state_dict(state_dict)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     with torch.device("meta"):

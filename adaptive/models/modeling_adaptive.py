@@ -6,6 +6,7 @@ PreTrainedModel, model, ForCausalLM.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -35,7 +36,15 @@ from adaptive.models.mod import (
     routed_attention_mask,
     scatter_delta,
 )
-from adaptive.models.moe import MoEStats, NativeMoE
+from adaptive.models.moe import (
+    GroupedExperts,
+    MoEGate,
+    MoEStats,
+    NativeMoE,
+    from_deepspeed_layout,
+    is_deepspeed_key,
+    to_deepspeed_layout,
+)
 from adaptive.plan.blocks import block_type
 
 logger = logging.get_logger(__name__)
@@ -205,9 +214,6 @@ def build_mlp(config: AdaptiveConfig, layer_type: str) -> nn.Module:
     if not block_type(layer_type).has_experts:
         return AdaptiveMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act)
 
-    def make_expert() -> AdaptiveMLP:
-        return AdaptiveMLP(config.hidden_size, config.moe_intermediate_size, config.mlp_bias, config.hidden_act)
-
     knobs = dict(
         capacity_factor=config.capacity_factor, eval_capacity_factor=config.eval_capacity_factor,
         min_capacity=config.min_capacity, drop_tokens=config.drop_tokens,
@@ -216,9 +222,11 @@ def build_mlp(config: AdaptiveConfig, layer_type: str) -> nn.Module:
     if config.moe_implementation == "deepspeed":
         from adaptive.models.moe_deepspeed import DeepSpeedMoE  # imports deepspeed: only on demand
 
-        return DeepSpeedMoE(config.hidden_size, make_expert(), config.num_local_experts, config.num_experts_per_tok,
+        expert = AdaptiveMLP(config.hidden_size, config.moe_intermediate_size, config.mlp_bias, config.hidden_act)
+        return DeepSpeedMoE(config.hidden_size, expert, config.num_local_experts, config.num_experts_per_tok,
                             config.ep_size, **knobs)
-    return NativeMoE(config.hidden_size, make_expert, config.num_local_experts, config.num_experts_per_tok, **knobs)
+    return NativeMoE(config.hidden_size, config.moe_intermediate_size, config.num_local_experts,
+                     config.num_experts_per_tok, **knobs, bias=config.mlp_bias, act=config.hidden_act)
 
 
 class AdaptiveDecoderLayer(GradientCheckpointingLayer):
@@ -408,10 +416,22 @@ class AdaptivePreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _supports_attention_backend = False
     _can_compile_fullgraph = False  # MoD causal routing and grouped MoE dispatch are data-dependent
-    _keys_to_ignore_on_load_unexpected = [r"deepspeed_experts\.\d+\."]  # other ranks' experts under EP
+    # MoE weights in the other block's layout (and other ranks' experts under EP) are loaded by `from_pretrained`
+    # itself (`_load_moe_weights`), which checks that every MoE weight was found.
+    _keys_to_ignore_on_load_unexpected = [r"deepspeed_moe\.", r"mlp\.experts\.", r"mlp\.gate\.(weight|e_score)"]
+    _keys_to_ignore_on_load_missing = [r"deepspeed_moe\.", r"mlp\.experts\.", r"mlp\.gate\.(weight|e_score)"]
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, GroupedExperts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+            for bias in (module.gate_up_proj_bias, module.down_proj_bias):
+                if bias is not None:
+                    init.zeros_(bias)
+        if isinstance(module, MoEGate):
+            init.normal_(module.weight, mean=0.0, std=std)
         if hasattr(module, "e_score_correction_bias"):
             init.zeros_(module.e_score_correction_bias)
 
@@ -436,7 +456,9 @@ class AdaptivePreTrainedModel(PreTrainedModel):
         self._expert_parallel_ready = True
 
     def load_global_state_dict(self, state_dict: dict, strict: bool = True):
-        """Load a full (all experts) state dict; under expert parallelism, keep this rank's experts only."""
+        """Load a full (all experts) state dict in either MoE layout; under expert parallelism, keep this rank's
+        experts only."""
+        state_dict = self._own_moe_layout(state_dict)
         if self.config.ep_size > 1 and self.config.moe_layers:
             from adaptive.models.moe_deepspeed import expert_parallel_rank, localize_expert_state_dict
 
@@ -445,6 +467,13 @@ class AdaptivePreTrainedModel(PreTrainedModel):
             state_dict = localize_expert_state_dict(state_dict, self.config.num_local_experts,
                                                     self.config.ep_size, rank)
         return self.load_state_dict(state_dict, strict=strict)
+
+    def _own_moe_layout(self, state_dict: dict) -> dict:
+        if not self.config.moe_layers:
+            return state_dict
+        if self.config.moe_implementation == "deepspeed":
+            return to_deepspeed_layout(state_dict)
+        return from_deepspeed_layout(state_dict)
 
     def global_state_dict(self) -> dict:
         """The full state dict with global expert ids; a collective under expert parallelism."""
@@ -456,25 +485,30 @@ class AdaptivePreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' loader; under expert parallelism it then reloads this rank's experts by global id."""
+        """transformers' loader, then the MoE weights when the checkpoint's layout is not the block's (a
+        native/Mixtral-layout checkpoint into DeepSpeed MoE, or an older DeepSpeed-named one into the native
+        block), and this rank's experts by global id under expert parallelism."""
         loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, info) with output_loading_info=True
-        if model.config.ep_size > 1 and model.config.moe_layers:
-            from adaptive.models.moe_deepspeed import load_local_experts
-
-            model.setup_expert_parallel()
-            load_local_experts(model, pretrained_model_name_or_path)
+        if model.config.moe_layers:
+            if model.config.moe_implementation == "deepspeed":
+                model.setup_expert_parallel()
+            _load_moe_weights(model, str(pretrained_model_name_or_path))
         return loaded
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """A portable checkpoint: every expert, and a config that loads with the native MoE on one device.
+        """A portable checkpoint: every expert in the native (Mixtral) layout, and a config that loads with the
+        native MoE on one device.
 
         Under expert parallelism the experts are gathered first: call it on every rank, with
         `is_main_process=(rank == 0)`.
         """
         config = self.config
-        if config.ep_size > 1 and config.moe_layers and kwargs.get("state_dict") is None:
-            kwargs["state_dict"] = self.global_state_dict()
+        if config.moe_layers:
+            state_dict = kwargs.get("state_dict")
+            if state_dict is None:
+                state_dict = self.global_state_dict() if config.ep_size > 1 else self.state_dict()
+            kwargs["state_dict"] = from_deepspeed_layout(state_dict)
         running = config.moe_implementation, config.ep_size
         config.moe_implementation, config.ep_size = "native", 1
         try:
@@ -485,6 +519,53 @@ class AdaptivePreTrainedModel(PreTrainedModel):
 
 def _is_deepspeed_moe(module: nn.Module) -> bool:
     return type(module).__name__ == "DeepSpeedMoE"
+
+
+def _is_moe_key(key: str) -> bool:
+    return is_deepspeed_key(key) or re.search(r"mlp\.(experts\.|gate\.(weight|e_score_correction_bias)$)", key) is not None
+
+
+def _load_moe_weights(model: AdaptivePreTrainedModel, path: str) -> None:
+    """Fill the model's MoE weights from the safetensors files in `path`, converting the layout and keeping
+    this rank's experts under expert parallelism. Raises if a MoE weight of the model is in neither layout."""
+    import glob
+    import os
+
+    from safetensors import safe_open
+
+    own = model.state_dict(keep_vars=True)
+    own_moe = {k for k in own if _is_moe_key(k)}
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else []
+    if not files:
+        if model.config.ep_size > 1 or model.config.moe_implementation == "deepspeed":
+            raise AdaptiveError(f"DeepSpeed MoE loads its experts from a local directory; {path!r} is not one")
+        return  # the native layout came through transformers' own loader (hub id, single file)
+    prefix = model.base_model_prefix + "."
+
+    def own_name(key: str) -> str | None:  # checkpoints of the base model lack the "model." prefix, and vice versa
+        return next((c for c in (key, key.removeprefix(prefix), prefix + key) if c in own), None)
+
+    handles = [safe_open(f, framework="pt") for f in files]
+    on_disk = {key: h for h in handles for key in h.keys() if _is_moe_key(key)}
+    if model.config.ep_size == 1 and all(own_name(k) in own_moe for k in on_disk) and \
+            len({own_name(k) for k in on_disk}) == len(own_moe):
+        return  # same layout: transformers' loader has filled every MoE weight already
+    state = model._own_moe_layout({key: h.get_tensor(key) for key, h in on_disk.items()})
+    if model.config.ep_size > 1:
+        from adaptive.models.moe_deepspeed import expert_parallel_rank, localize_expert_state_dict
+
+        model.setup_expert_parallel()
+        state = localize_expert_state_dict(state, model.config.num_local_experts, model.config.ep_size,
+                                           expert_parallel_rank(model.config.ep_size))
+    filled = set()
+    with torch.no_grad():
+        for key, value in state.items():
+            name = own_name(key)
+            if name is not None:
+                own[name].copy_(value)
+                filled.add(name)
+    if own_moe - filled:
+        raise AdaptiveError(f"{path!r} holds no weight for {sorted(own_moe - filled)[0]} in either MoE layout")
 
 
 class AdaptiveModel(AdaptivePreTrainedModel):

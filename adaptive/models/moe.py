@@ -1,11 +1,17 @@
 """Mixture-of-Experts: one routing function, two dispatchers (native PyTorch here, DeepSpeed in
 `moe_deepspeed.py`).
 
-Both blocks have DeepSpeed's parameter names and shapes, so one state dict loads into either:
+The native block has transformers' Mixtral layout, which is also the checkpoint layout:
 
-    deepspeed_moe.gate.wg.weight                                  [E, hidden]
-    deepspeed_moe.gate.e_score_correction_bias                    [E] buffer, see below
-    deepspeed_moe.experts.deepspeed_experts.{i}.{gate,up,down}_proj.weight
+    gate.weight                       [E, hidden]
+    gate.e_score_correction_bias      [E] buffer, see below
+    experts.gate_up_proj              [E, 2 * I, hidden]   gate rows first, then up (Mixtral's order)
+    experts.down_proj                 [E, hidden, I]
+    experts.{gate_up,down}_proj_bias  [E, 2 * I], [E, hidden]   only with mlp_bias
+
+DeepSpeed's block keeps DeepSpeed's names (`deepspeed_moe.gate.wg.weight`,
+`deepspeed_moe.experts.deepspeed_experts.{i}.{gate,up,down}_proj.weight`); `to_deepspeed_layout` and
+`from_deepspeed_layout` convert state dicts between the two, so one checkpoint loads into either block.
 
 Routing follows DeepSpeed's top-1/top-2 gates (`deepspeed/moe/sharded_moe.py`) exactly when nothing
 ties: softmax in fp32; top-2 weights renormalised over the routes that were kept; capacity
@@ -23,12 +29,13 @@ checkpointing treats every such key as an expert weight.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import re
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
 
 
 class MoEStats(NamedTuple):
@@ -154,7 +161,7 @@ class MoEGate(nn.Module):
                  eval_capacity_factor: float | None, min_capacity: int, drop_tokens: bool,
                  noisy_gate_policy: str | None, top2_2nd_expert_sampling: bool):
         super().__init__()
-        self.wg = nn.Linear(hidden_size, num_experts, bias=False)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))  # Mixtral's router weight
         _init_gate_state(self, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity, drop_tokens,
                          noisy_gate_policy, top2_2nd_expert_sampling)
 
@@ -182,7 +189,8 @@ def gate_routes(gate: nn.Module, x: torch.Tensor, ep_group=None, used: torch.Ten
     policy = gate.noisy_gate_policy if gate.training else None
     if policy == "Jitter":
         x = x * torch.empty_like(x).uniform_(1.0 - 1e-2, 1.0 + 1e-2)
-    logits = F.linear(x, gate.wg.weight.float())
+    weight = gate.weight if isinstance(gate, MoEGate) else gate.wg.weight  # DeepSpeed's TopKGate: wg
+    logits = F.linear(x, weight.float())
     sample = None
     if policy == "RSample" and gate.k == 1:
         sample = logits - torch.empty_like(logits).exponential_().log()
@@ -193,58 +201,98 @@ def gate_routes(gate: nn.Module, x: torch.Tensor, ep_group=None, used: torch.Ten
                  gate.top2_2nd_expert_sampling and gate.k == 2, ep_group, used)
 
 
-class Experts(nn.Module):
-    """`num_experts` experts, under DeepSpeed's attribute name.
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU experts as 3D tensors (transformers' MixtralExperts layout).
 
-    Built fresh from `make_expert` rather than deep-copied (DeepSpeed's way): weights are initialised by
-    `_init_weights` anyway, and deep copies of fake parameters keep every gradient alive under
-    `FakeTensorMode`, which would skew `adaptive measure`.
+    Two ways to run them, both exact per expert:
+    - `batched(buffer [E, C, hidden])`: one batched matmul over a fixed slot buffer (training with capacity);
+    - `grouped(x [N, hidden], counts)`: tokens sorted by expert into contiguous groups. On a CUDA device in
+      16-bit it is two `torch._grouped_mm` calls; elsewhere a loop of per-expert matmuls over the groups
+      (on CPU that loop is what `grouped_mm` would do, without its fp32 restrictions).
     """
 
-    def __init__(self, make_expert: Callable[[], nn.Module], num_experts: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 act: str = "silu"):
         super().__init__()
-        self.deepspeed_experts = nn.ModuleList([make_expert() for _ in range(num_experts)])
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size)) if bias else None
+        self.act_fn = ACT2FN[act]
+
+    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def batched(self, buffer: torch.Tensor) -> torch.Tensor:
+        """buffer [E, C, hidden] -> [E, C, hidden]: expert e on row block e."""
+        h = torch.bmm(buffer, self.gate_up_proj.transpose(1, 2))
+        if self.gate_up_proj_bias is not None:
+            h = h + self.gate_up_proj_bias[:, None, :]
+        out = torch.bmm(self._swiglu(h), self.down_proj.transpose(1, 2))
+        return out if self.down_proj_bias is None else out + self.down_proj_bias[:, None, :]
+
+    def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [N, hidden] sorted by expert, `counts[e]` rows each -> [N, hidden]."""
+        if _use_grouped_mm(x, self.gate_up_proj):
+            offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+            h = torch._grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offsets)
+            if self.gate_up_proj_bias is not None:
+                h = h + self.gate_up_proj_bias.repeat_interleave(torch.tensor(counts, device=x.device), dim=0)
+            out = torch._grouped_mm(self._swiglu(h), self.down_proj.transpose(1, 2), offs=offsets)
+            if self.down_proj_bias is not None:
+                out = out + self.down_proj_bias.repeat_interleave(torch.tensor(counts, device=x.device), dim=0)
+            return out
+        # unbind, not [e]: its backward stacks the experts' gradients once instead of one full-size zero
+        # tensor per expert. Empty groups run too: every expert then joins the autograd graph, as DDP/ZeRO expect.
+        no_bias = [None] * self.num_experts
+        gate_up_bias = no_bias if self.gate_up_proj_bias is None else self.gate_up_proj_bias.unbind(0)
+        down_bias = no_bias if self.down_proj_bias is None else self.down_proj_bias.unbind(0)
+        outputs = [
+            F.linear(self._swiglu(F.linear(group, w1, b1)), w2, b2)
+            for group, w1, b1, w2, b2 in zip(x.split(counts), self.gate_up_proj.unbind(0), gate_up_bias,
+                                             self.down_proj.unbind(0), down_bias)
+        ]
+        return torch.cat(outputs)
 
 
-class NativeMoELayer(nn.Module):
-    def __init__(self, gate: MoEGate, experts: Experts):
-        super().__init__()
-        self.gate = gate
-        self.experts = experts
+def _use_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch._grouped_mm: CUDA, 16-bit, and 16-byte aligned rows (its kernel's requirements)."""
+    return (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.shape[-1] % 8 == 0 and weight.shape[-2] % 8 == 0)
 
 
 class NativeMoE(nn.Module):
-    """Pure-PyTorch MoE block with DeepSpeed's parameter layout. forward(x) -> (y, MoEStats).
+    """Pure-PyTorch MoE block in Mixtral's layout (`gate`, `experts`). forward(x) -> (y, MoEStats).
 
     Two dispatchers produce the same result:
-    - training with drop_tokens: a fixed [E * capacity] slot buffer, the same layout DeepSpeed
-      all-to-alls. Its size follows from the token count alone, so there is no host sync;
+    - training with drop_tokens: a fixed [E, capacity] slot buffer, the same layout DeepSpeed
+      all-to-alls, run as one batched matmul. Its size follows from the token count alone, so there is
+      no host sync;
     - otherwise (eval, or no dropping): tokens sorted by expert into exact-size groups. One host sync
       per layer for the group sizes, and no compute on empty slots (decode steps have few tokens).
     """
 
-    def __init__(self, hidden_size: int, make_expert: Callable[[], nn.Module], num_experts: int, k: int,
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, k: int,
                  capacity_factor: float, eval_capacity_factor: float | None, min_capacity: int, drop_tokens: bool,
-                 noisy_gate_policy: str | None, top2_2nd_expert_sampling: bool):
+                 noisy_gate_policy: str | None, top2_2nd_expert_sampling: bool, bias: bool = False,
+                 act: str = "silu"):
         super().__init__()
-        gate = MoEGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
-                       drop_tokens, noisy_gate_policy, top2_2nd_expert_sampling)
-        self.deepspeed_moe = NativeMoELayer(gate, Experts(make_expert, num_experts))
+        self.gate = MoEGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
+                            drop_tokens, noisy_gate_policy, top2_2nd_expert_sampling)
+        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size, bias, act)
         self.num_experts = num_experts
-
-    @property
-    def gate(self) -> MoEGate:
-        return self.deepspeed_moe.gate
+        convert_on_load(self, to_deepspeed=False)  # DeepSpeed-named weights load too
 
     def forward(self, hidden_states: torch.Tensor, used: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
         """hidden_states [..., hidden]; `used` [...] bool marks real tokens (see `route`)."""
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         routes = self.gate(x, used=None if used is None else used.reshape(-1))
-        experts = self.deepspeed_moe.experts.deepspeed_experts
         if self.training and isinstance(routes.capacity, int):
-            out = _dispatch_slots(x, routes, experts)
+            out = _dispatch_slots(x, routes, self.experts)
         else:
-            out = _dispatch_grouped(x, routes, experts)
+            out = _dispatch_grouped(x, routes, self.experts)
         return out.view_as(hidden_states), routes.stats
 
 
@@ -255,9 +303,9 @@ def _combine(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, dty
     return (routed * weights.unsqueeze(-1)).sum(dim=0).to(dtype)  # fp32 accumulation, as DeepSpeed
 
 
-def _dispatch_slots(x: torch.Tensor, routes: Routes, experts: nn.ModuleList) -> torch.Tensor:
+def _dispatch_slots(x: torch.Tensor, routes: Routes, experts: GroupedExperts) -> torch.Tensor:
     num_tokens, hidden = x.shape
-    capacity, num_experts = routes.capacity, len(experts)
+    capacity, num_experts = routes.capacity, experts.num_experts
     total = num_experts * capacity
     slots = torch.where(routes.experts >= 0, routes.experts * capacity + routes.locations, total)
     # Invert the map (slot -> source token) so filling the buffer is one gather; empty slots read a zero row.
@@ -266,28 +314,103 @@ def _dispatch_slots(x: torch.Tensor, routes: Routes, experts: nn.ModuleList) -> 
     source.scatter_(0, slots.reshape(-1), token_ids.reshape(-1))
     padded = torch.cat([x, x.new_zeros(1, hidden)])
     buffer = padded.index_select(0, source[:total]).view(num_experts, capacity, hidden)
-    outputs = [expert(buffer[e]) for e, expert in enumerate(experts)]
-    rows = torch.cat([*outputs, x.new_zeros(1, hidden)]).view(total + 1, hidden)
+    rows = torch.cat([experts.batched(buffer).reshape(total, hidden), x.new_zeros(1, hidden)])
     return _combine(rows, slots, routes.weights, x.dtype)
 
 
-def _dispatch_grouped(x: torch.Tensor, routes: Routes, experts: nn.ModuleList) -> torch.Tensor:
+def _dispatch_grouped(x: torch.Tensor, routes: Routes, experts: GroupedExperts) -> torch.Tensor:
     k, num_tokens = routes.experts.shape
-    num_experts = len(experts)
+    num_experts = experts.num_experts
     flat = routes.experts.reshape(-1)
     key = torch.where(flat >= 0, flat, num_experts)  # dropped routes sort last
     order = torch.argsort(key, stable=True)
     counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts].tolist()  # the one host sync
     kept = sum(counts)
     tokens = (order[:kept] % num_tokens)
-    groups = x.index_select(0, tokens).split(counts)
-    # empty groups run too: their experts then get zero (not None) gradients, which DDP/ZeRO expect
-    outputs = [expert(g) for expert, g in zip(experts, groups)]
-    rows = torch.cat([*outputs, x.new_zeros(1, x.shape[1])])
+    rows = torch.cat([experts.grouped(x.index_select(0, tokens), counts), x.new_zeros(1, x.shape[1])])
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=x.device)
     slots = torch.where(flat >= 0, rank, kept).view(k, num_tokens)
     return _combine(rows, slots, routes.weights, x.dtype)
 
 
-__all__ = ["MoEStats", "Routes", "route", "expert_capacity", "MoEGate", "NativeMoE", "Experts"]
+# ---------------------------------------------------------------------------------------------
+# Layout converter: our (Mixtral) checkpoint layout <-> DeepSpeed's module names
+
+_NATIVE_KEY = re.compile(r"^(.*?)(gate\.weight|gate\.e_score_correction_bias|experts\.(?:gate_up_proj|down_proj)(?:_bias)?)$")
+_DEEPSPEED_KEY = re.compile(
+    r"^(.*?)deepspeed_moe\.(?:gate\.(wg\.weight|e_score_correction_bias)|"
+    r"experts\.deepspeed_experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias))$"
+)
+
+
+def convert_on_load(module: nn.Module, to_deepspeed: bool) -> None:
+    """Let `module.load_state_dict` (and its parents') take an MoE block's weights in either layout."""
+
+    def hook(_module, state_dict, prefix, *args) -> None:
+        own = {k[len(prefix):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
+        own = to_deepspeed_layout(own, block_only=True) if to_deepspeed else from_deepspeed_layout(own)
+        state_dict.update({prefix + k: v for k, v in own.items()})
+
+    module.register_load_state_dict_pre_hook(hook)
+
+
+def is_deepspeed_key(key: str) -> bool:
+    return _DEEPSPEED_KEY.match(key) is not None
+
+
+def from_deepspeed_layout(state_dict: dict) -> dict:
+    """DeepSpeed-named MoE entries -> the native (Mixtral) layout; every other entry passes through."""
+    out, experts = {}, {}
+    for key, value in state_dict.items():
+        match = _DEEPSPEED_KEY.match(key)
+        if match is None:
+            out[key] = value
+        elif match.group(2) == "wg.weight":
+            out[f"{match.group(1)}gate.weight"] = value
+        elif match.group(2):
+            out[f"{match.group(1)}gate.e_score_correction_bias"] = value
+        else:
+            experts.setdefault(match.group(1), {})[(int(match.group(3)), match.group(4), match.group(5))] = value
+    for prefix, parts in experts.items():
+        num = 1 + max(e for e, _, _ in parts)
+        for kind in ("weight", "bias"):
+            if (0, "down_proj", kind) not in parts:
+                continue
+            suffix = "" if kind == "weight" else "_bias"
+            out[f"{prefix}experts.gate_up_proj{suffix}"] = torch.stack(
+                [torch.cat([parts[(e, "gate_proj", kind)], parts[(e, "up_proj", kind)]]) for e in range(num)])
+            out[f"{prefix}experts.down_proj{suffix}"] = torch.stack([parts[(e, "down_proj", kind)] for e in range(num)])
+    return out
+
+
+def to_deepspeed_layout(state_dict: dict, block_only: bool = False) -> dict:
+    """Native (Mixtral-layout) MoE entries -> DeepSpeed's names; every other entry passes through.
+
+    Only keys under an `mlp.` module are MoE entries (an attention `gate` would not be), unless `block_only`
+    says the dict is one MoE block's own."""
+    out = {}
+    for key, value in state_dict.items():
+        match = None if _DEEPSPEED_KEY.match(key) else _NATIVE_KEY.match(key)
+        if match is None or not (block_only or match.group(1).endswith("mlp.")):
+            out[key] = value
+            continue
+        prefix, name = match.group(1) + "deepspeed_moe.", match.group(2)
+        if name == "gate.weight":
+            out[prefix + "gate.wg.weight"] = value
+        elif name == "gate.e_score_correction_bias":
+            out[prefix + name] = value
+        else:
+            kind = "bias" if name.endswith("_bias") else "weight"
+            for e in range(value.shape[0]):
+                expert = f"{prefix}experts.deepspeed_experts.{e}."
+                if name.startswith("experts.gate_up_proj"):
+                    gate, up = value[e].chunk(2, dim=0)
+                    out[f"{expert}gate_proj.{kind}"], out[f"{expert}up_proj.{kind}"] = gate, up
+                else:
+                    out[f"{expert}down_proj.{kind}"] = value[e]
+    return out
+
+
+__all__ = ["MoEStats", "Routes", "route", "expert_capacity", "MoEGate", "NativeMoE", "GroupedExperts",
+           "from_deepspeed_layout", "to_deepspeed_layout", "is_deepspeed_key", "convert_on_load"]

@@ -1,5 +1,9 @@
 """The MoE block on `deepspeed.moe.layer.MoE` (imported only when `moe_implementation="deepspeed"`).
 
+DeepSpeed's module names (`deepspeed_moe.gate.wg`, `deepspeed_moe.experts.deepspeed_experts.{i}`) live only here:
+a load pre-hook converts our native (Mixtral) layout to them, and `save_pretrained` writes the native layout
+(`moe.from_deepspeed_layout`), so one checkpoint loads into either block.
+
 DeepSpeed's `MOELayer` does the dispatch, the expert all-to-all (`ep_size > 1`) and the combine; its
 gate is replaced by `DeepSpeedGate`, which routes with the same `route()` as the native block (so the
 two agree, and the selection bias works on DeepSpeed too).
@@ -29,7 +33,7 @@ from torch import nn
 
 from adaptive.engine import expert_parallel_rank
 from adaptive.errors import AdaptiveError
-from adaptive.models.moe import MoEStats, _init_gate_state, gate_routes
+from adaptive.models.moe import MoEStats, _init_gate_state, convert_on_load, gate_routes
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +74,7 @@ class DeepSpeedMoE(MoE):
         self.deepspeed_moe.gate = DeepSpeedGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor,
                                                 min_capacity, drop_tokens, noisy_gate_policy,
                                                 top2_2nd_expert_sampling)
+        convert_on_load(self, to_deepspeed=True)  # checkpoints in our native (Mixtral) layout load as well
 
     @property
     def gate(self) -> DeepSpeedGate:
@@ -170,33 +175,7 @@ def globalize_expert_state_dict(model: nn.Module) -> dict:
     return out
 
 
-def load_local_experts(model: nn.Module, path: str) -> None:
-    """Copy this rank's experts (by global id) from the safetensors files in `path` into `model`."""
-    import glob
-
-    from safetensors import safe_open
-
-    if not os.path.isdir(path):
-        raise AdaptiveError(f"ep_size > 1 loads experts from a local directory; {path!r} is not one")
-    config = model.config
-    rank = expert_parallel_rank(config.ep_size)
-    params = dict(model.named_parameters())
-    prefix = model.base_model_prefix + "."
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                if _EXPERT_KEY.match(key) is None:
-                    continue
-                for name in localize_expert_state_dict({key: None}, config.num_local_experts, config.ep_size, rank):
-                    # checkpoints of the base model lack the "model." prefix, and vice versa
-                    for candidate in (name, name.removeprefix(prefix), prefix + name):
-                        if candidate in params:
-                            with torch.no_grad():
-                                params[candidate].copy_(f.get_tensor(key))
-                            break
-
-
 __all__ = [
     "DeepSpeedGate", "DeepSpeedMoE", "ensure_distributed", "ensure_expert_parallel", "expert_parallel_rank",
-    "localize_expert_state_dict", "globalize_expert_state_dict", "load_local_experts",
+    "localize_expert_state_dict", "globalize_expert_state_dict",
 ]

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
+from adaptive.models.moe import from_deepspeed_layout, to_deepspeed_layout
 from adaptive.models.moe_deepspeed import ensure_distributed, localize_expert_state_dict
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, block_types=["moe", "hybrid"],
@@ -36,7 +37,8 @@ def main(out_dir: str) -> None:
     assert world == 2, world
     torch.manual_seed(0)
     ref = AdaptiveForCausalLM(AdaptiveConfig.from_preset("debug", arch="hybrid", **TINY))
-    full = {k: v.clone() for k, v in ref.state_dict().items()}
+    # in DeepSpeed's names (experts split per expert), the layout the EP model holds
+    full = {k: v.clone() for k, v in to_deepspeed_layout(ref.state_dict()).items()}
     ep = AdaptiveForCausalLM(AdaptiveConfig.from_preset("debug", arch="hybrid", moe_implementation="deepspeed",
                                                         ep_size=2, **TINY))
     ep.load_global_state_dict(full)
@@ -67,7 +69,7 @@ def main(out_dir: str) -> None:
         result["train_loss_value"] = out_ep.loss.item()
         out_ref.loss.backward()
         out_ep.loss.backward()
-        ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        ref_grads = {n: g.clone() for n, g in to_deepspeed_layout({n: p.grad for n, p in ref.named_parameters()}).items()}
         for name, grad in ref_grads.items():
             if "deepspeed_experts" in name:
                 dist.all_reduce(grad)  # EP experts see both ranks' tokens
@@ -97,7 +99,8 @@ def main(out_dir: str) -> None:
     dist.barrier()
     native = AdaptiveForCausalLM.from_pretrained(portable)
     result["saved_config_is_portable"] = (native.config.moe_implementation, native.config.ep_size) == ("native", 1)
-    result["saved_all_experts"] = all(torch.equal(native.state_dict()[k], full[k]) for k in full)
+    native_full = from_deepspeed_layout(full)
+    result["saved_all_experts"] = all(torch.equal(native.state_dict()[k], native_full[k]) for k in native_full)
     result["ep_config_unchanged"] = (ep.config.moe_implementation, ep.config.ep_size) == ("deepspeed", 2)
     result.update(deepspeed_engine_step(ep, batch, result["train_loss_value"]))
     # causal routing where rank 1 routes nothing in the hybrid layer: it must still join the MoE all-to-all

@@ -10,7 +10,7 @@ import torch
 from _model_helpers import tiny_config, tiny_model
 
 from adaptive.models import AdaptiveForCausalLM
-from adaptive.models.moe import expert_capacity, route
+from adaptive.models.moe import expert_capacity, route, to_deepspeed_layout
 
 
 def random_logits(tokens: int, experts: int, seed: int) -> torch.Tensor:
@@ -131,7 +131,8 @@ def test_eval_never_drops_by_default():
 def test_deepspeed_and_native_moe_give_the_same_logits(arch, mode):
     native = tiny_model(arch, drop_tokens=False)
     deepspeed = AdaptiveForCausalLM(tiny_config(arch, drop_tokens=False, moe_implementation="deepspeed"))
-    deepspeed.load_state_dict(native.state_dict())
+    deepspeed.load_state_dict(native.state_dict())  # the native (Mixtral) layout, converted on load
+    deepspeed.setup_expert_parallel()
     native.train(mode == "train")
     deepspeed.train(mode == "train")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(6))
@@ -143,16 +144,21 @@ def test_deepspeed_and_native_moe_give_the_same_logits(arch, mode):
     if mode == "train":
         a.loss.backward()
         b.loss.backward()
-        grads = dict(native.named_parameters())
+        # native gradients in DeepSpeed's names (the 3D expert tensors split per expert)
+        grads = to_deepspeed_layout({n: p.grad for n, p in native.named_parameters() if p.grad is not None})
+        compared = 0
         for name, p in deepspeed.named_parameters():
             if p.grad is not None:
-                torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+                torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-7, msg=name)
+                compared += "deepspeed_experts" in name
+        assert compared > 0
 
 
 def test_deepspeed_block_drops_like_the_native_one():
     native = tiny_model("moe", capacity_factor=0.5).train()
     deepspeed = AdaptiveForCausalLM(tiny_config("moe", capacity_factor=0.5, moe_implementation="deepspeed")).train()
     deepspeed.load_state_dict(native.state_dict())
+    deepspeed.setup_expert_parallel()
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(8))
     a, b = native(ids), deepspeed(ids)
     assert a.router_stats.dropped_fraction.min().item() > 0
@@ -172,16 +178,23 @@ def test_deepspeed_block_is_idempotent_under_repeated_setup():
 def test_deepspeed_checkpoint_loads_as_native_with_the_same_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from safetensors import safe_open
+
     deepspeed = AdaptiveForCausalLM(tiny_config("hybrid", moe_implementation="deepspeed")).eval()
+    deepspeed.setup_expert_parallel()
     deepspeed.save_pretrained(tmp_path)
     assert deepspeed.config.moe_implementation == "deepspeed"  # saving does not change the running model
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:  # DeepSpeed's names stay inside its block
+        assert f.get_slice("model.layers.0.mlp.experts.gate_up_proj").get_shape() == [8, 64, 32]
+        assert not any("deepspeed" in k for k in f.keys())
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert loaded.config.moe_implementation == "native"  # the portable default for inference
     assert not any(type(m).__name__ == "DeepSpeedMoE" for m in loaded.modules())
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(9))
     torch.testing.assert_close(loaded(ids).logits, deepspeed(ids).logits, rtol=1e-5, atol=1e-6)
-    again = AutoModelForCausalLM.from_pretrained(tmp_path, moe_implementation="deepspeed")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, moe_implementation="deepspeed").eval()
     assert any(type(m).__name__ == "DeepSpeedMoE" for m in again.modules())
+    torch.testing.assert_close(again(ids).logits, deepspeed(ids).logits, rtol=1e-5, atol=1e-6)
 
 
 def test_unused_tokens_take_no_expert_and_stay_out_of_the_statistics():
@@ -222,4 +235,4 @@ def test_rsample_noise_applies_in_training_only():
     assert not torch.equal(noisy[0], noisy[1])
     gate.eval()
     assert torch.equal(gate(x).experts, gate(x).experts)
-    assert torch.equal(gate(x).experts[0], (x @ gate.wg.weight.t()).argmax(dim=-1))
+    assert torch.equal(gate(x).experts[0], (x @ gate.weight.t()).argmax(dim=-1))

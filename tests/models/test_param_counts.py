@@ -1,7 +1,7 @@
 """The real model's parameters equal the planner's analytic count, total and active, for every preset and arch.
 
-Big presets are built on the meta device (no memory). The DeepSpeed MoE block cannot differ: it has the
-native block's names and shapes, checked at tiny size.
+Big presets are built on the meta device (no memory). The DeepSpeed MoE block cannot differ: its state dict
+converts to the native block's names and shapes, checked at tiny size.
 """
 
 from __future__ import annotations
@@ -11,19 +11,20 @@ import torch
 from _model_helpers import tiny_config
 
 from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
+from adaptive.models.moe import from_deepspeed_layout, to_deepspeed_layout
 from adaptive.plan.params import count_params
 from adaptive.plan.presets import ARCHS, PRESETS
 
 
 def active_params(model: AdaptiveForCausalLM) -> int:
-    """Non-expert parameters plus k experts per MoE layer, read off the module tree."""
-    k = model.config.num_experts_per_tok
+    """Non-expert parameters plus k experts per MoE layer, read off the module tree (3D experts [E, ...])."""
+    k, experts = model.config.num_experts_per_tok, model.config.num_local_experts
     total = 0
     for name, p in model.named_parameters():
-        if ".deepspeed_experts." not in name:
+        if ".experts." not in name:
             total += p.numel()
-        elif ".deepspeed_experts.0." in name:
-            total += k * p.numel()
+        else:
+            total += k * p.numel() // experts
     return total
 
 
@@ -50,12 +51,14 @@ def test_param_count_matches_planner_for_variants(overrides):
     assert active_params(model) == counts.active
 
 
-def test_deepspeed_block_has_the_native_names_and_shapes():
+def test_deepspeed_block_converts_to_the_native_names_and_shapes():
     native = AdaptiveForCausalLM(tiny_config("hybrid"))
     deepspeed = AdaptiveForCausalLM(tiny_config("hybrid", moe_implementation="deepspeed"))
     shapes = {k: v.shape for k, v in native.state_dict().items()}
-    assert shapes == {k: v.shape for k, v in deepspeed.state_dict().items()}
-    assert any(".deepspeed_moe.gate.e_score_correction_bias" in k for k in shapes)
+    assert shapes == {k: v.shape for k, v in from_deepspeed_layout(deepspeed.state_dict()).items()}
+    assert shapes["model.layers.1.mlp.experts.gate_up_proj"] == (8, 64, 32)  # Mixtral's [E, 2I, H]
+    assert any(".mlp.gate.e_score_correction_bias" in k for k in shapes)
+    assert set(to_deepspeed_layout(native.state_dict())) == set(deepspeed.state_dict())
 
 
 def test_deepspeed_block_builds_on_meta_with_the_planned_count():

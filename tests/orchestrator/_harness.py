@@ -36,10 +36,11 @@ def skew(model: AdaptiveForCausalLM, seed: int = 0) -> None:
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = SHARED
         for gate in model.moe_gates():
-            weight = torch.randn(gate.wg.weight.shape, generator=generator) * 0.3
+            router = gate.wg.weight if hasattr(gate, "wg") else gate.weight  # DeepSpeed's TopKGate | ours
+            weight = torch.randn(router.shape, generator=generator) * 0.3
             weight[0, 0] += SKEW
             weight[1, 0] += SKEW
-            gate.wg.weight.copy_(weight)
+            router.copy_(weight)
 
 
 def fixed_data(seed: int, batches: int = 8, batch: int = 8, seq: int = 32) -> torch.Tensor:
