@@ -206,9 +206,10 @@ class GroupedExperts(nn.Module):
 
     Two ways to run them, both exact per expert:
     - `batched(buffer [E, C, hidden])`: one batched matmul over a fixed slot buffer (training with capacity);
-    - `grouped(x [N, hidden], counts)`: tokens sorted by expert into contiguous groups. On a CUDA device in
-      16-bit it is two `torch._grouped_mm` calls; elsewhere a loop of per-expert matmuls over the groups
-      (on CPU that loop is what `grouped_mm` would do, without its fp32 restrictions).
+    - `grouped(x [N, hidden], counts)`: tokens sorted by expert into contiguous groups, run as two
+      `torch._grouped_mm` calls where its kernel takes them (CUDA in bf16, CPU in fp32, rows 16-byte
+      aligned); else an exact loop of per-expert matmuls. On CPU both give bitwise-equal outputs and
+      gradients without biases (tests/models/test_moe.py).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False,
@@ -235,7 +236,7 @@ class GroupedExperts(nn.Module):
 
     def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [N, hidden] sorted by expert, `counts[e]` rows each -> [N, hidden]."""
-        if _use_grouped_mm(x, self.gate_up_proj):
+        if _use_grouped_mm(x, self.gate_up_proj.shape[-1], self.intermediate_size):
             offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
             h = torch._grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offsets)
             if self.gate_up_proj_bias is not None:
@@ -257,10 +258,16 @@ class GroupedExperts(nn.Module):
         return torch.cat(outputs)
 
 
-def _use_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """torch._grouped_mm: CUDA, 16-bit, and 16-byte aligned rows (its kernel's requirements)."""
-    return (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.shape[-1] % 8 == 0 and weight.shape[-2] % 8 == 0)
+def _use_grouped_mm(x: torch.Tensor, hidden: int, intermediate: int) -> bool:
+    """Whether torch._grouped_mm's kernels take these operands: bf16 on CUDA, fp32 on CPU, 16-byte aligned rows."""
+    if not hasattr(torch, "_grouped_mm") or not GROUPED_MM_ENABLED:
+        return False
+    dtype = {"cuda": torch.bfloat16, "cpu": torch.float32}.get(x.device.type)
+    per_16_bytes = 16 // x.element_size()
+    return x.dtype == dtype and hidden % per_16_bytes == 0 and intermediate % per_16_bytes == 0
+
+
+GROUPED_MM_ENABLED = True  # False: always the per-expert loop (tests compare the two)
 
 
 class NativeMoE(nn.Module):

@@ -236,3 +236,36 @@ def test_rsample_noise_applies_in_training_only():
     gate.eval()
     assert torch.equal(gate(x).experts, gate(x).experts)
     assert torch.equal(gate(x).experts[0], (x @ gate.weight.t()).argmax(dim=-1))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_mm_and_the_per_expert_loop_are_bitwise_equal(monkeypatch, bias):
+    from adaptive.models import moe
+
+    experts = moe.GroupedExperts(8, 32, 48, bias=bias)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(generator=torch.Generator().manual_seed(p.numel()))
+    x = torch.randn(70, 32, generator=torch.Generator().manual_seed(1))
+    counts = [9, 0, 20, 3, 11, 0, 17, 10]  # empty groups included
+    grad = torch.randn(70, 32, generator=torch.Generator().manual_seed(2))
+    results = []
+    for enabled in (True, False):
+        monkeypatch.setattr(moe, "GROUPED_MM_ENABLED", enabled)
+        assert moe._use_grouped_mm(x, 32, 48) == enabled
+        experts.zero_grad()
+        out = experts.grouped(x, counts)
+        (out * grad).sum().backward()
+        results.append([out.detach()] + [p.grad.clone() for p in experts.parameters()])
+    for a, b in zip(*results):
+        if bias:  # F.linear fuses the bias add (addmm); grouped_mm adds it after: last-bit differences
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-4)
+        else:
+            assert torch.equal(a, b)
+    # and each group is its own expert's SwiGLU
+    start = sum(counts[:2])
+    w1, w2 = experts.gate_up_proj[2], experts.down_proj[2]
+    h = x[start:start + 20] @ w1.t() + (experts.gate_up_proj_bias[2] if bias else 0)
+    gate, up = h.chunk(2, dim=-1)
+    expected = (torch.nn.functional.silu(gate) * up) @ w2.t() + (experts.down_proj_bias[2] if bias else 0)
+    torch.testing.assert_close(results[0][0][start:start + 20], expected, rtol=1e-5, atol=1e-5)
