@@ -1,30 +1,29 @@
-"""transformers' own `ModelTesterMixin` and `ConfigTester`, applied to our classes.
+"""transformers' own `ModelTesterMixin` and `ConfigTester`, applied to our classes (the harness; the test
+classes live in test_transformers_common_*.py, split so that `pytest -n 2 --dist loadfile` spreads them).
 
 The tests come from the sdist of the installed transformers version, downloaded once at test time and cached
 (`_transformers_tests.py`); without network the module is skipped with the reason. They run for every
 architecture (dense, MoE, MoD, hybrid) and both MoE implementations (native, DeepSpeed), with a tester shaped
 like transformers' `CausalLMModelTester` (batch 13, sequence 7, 2 layers, hidden 32).
 
-Llama and Mixtral run through the same harness as references (`-m slow`): any test they fail here is a harness
+Llama and Mixtral run through the same harness as references (ADAPTIVE_HF_REFERENCES=1): any test they fail here is a harness
 limit, not ours. Expected failures are listed per class in `EXPECTED_FAILURES` with the reason; each is marked
-`xfail(strict=True)`, so a listed test that starts passing fails the suite and must leave the list. Only
-differences by definition are accepted.
+`xfail(strict=True)` (tests/models/conftest.py), so a listed test that starts passing fails the suite and
+must leave the list. Only differences by definition are accepted.
+
+Importing this module raises `_transformers_tests.Unavailable` when the sdist cannot be fetched; the test
+modules turn that into a module-level skip with the reason.
 """
 
 from __future__ import annotations
 
-import re
 import unittest
 from unittest import mock
 
-import pytest
 import torch
-from _transformers_tests import Unavailable, load
+from _transformers_tests import load
 
-try:
-    common, configuration = load()
-except Unavailable as err:
-    pytest.skip(f"transformers' common tests unavailable: {err}", allow_module_level=True)
+common, configuration = load()  # raises Unavailable: the test modules skip
 
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel, MixtralConfig, MixtralForCausalLM  # noqa: E402
 from transformers import MixtralModel  # noqa: E402
@@ -125,7 +124,7 @@ class _HarnessBase(unittest.TestCase):
             self.addCleanup(patcher.stop)
 
 
-def _test_class(name: str, arch: str, moe_implementation: str = "native", reference: bool = False):
+def make_test_class(name: str, arch: str, moe_implementation: str = "native", reference: bool = False):
     config_class = (MixtralConfig if arch == "moe" else LlamaConfig) if reference else AdaptiveConfig
     if reference:
         classes = (MixtralModel, MixtralForCausalLM) if arch == "moe" else (LlamaModel, LlamaForCausalLM)
@@ -158,20 +157,3 @@ def _test_class(name: str, arch: str, moe_implementation: str = "native", refere
 
     Test.__name__ = Test.__qualname__ = f"Test{name.title().replace('_', '')}Common"
     return Test
-
-
-TestDenseCommon = _test_class("dense", "dense")
-TestMoeCommon = _test_class("moe", "moe")
-TestMoeDeepspeedCommon = _test_class("moe_deepspeed", "moe", "deepspeed")
-TestModCommon = _test_class("mod", "mod")
-TestHybridCommon = _test_class("hybrid", "hybrid")
-# references: what transformers' own models do in this harness (slow: run with -m slow)
-TestLlamaReference = pytest.mark.slow(_test_class("llama_reference", "dense", reference=True))
-TestMixtralReference = pytest.mark.slow(_test_class("mixtral_reference", "moe", reference=True))
-
-
-def expected_failure_reason(cls, test_name: str) -> str | None:
-    for pattern, reason in (getattr(cls, "expected_failures", None) or {}).items():
-        if re.fullmatch(pattern, test_name):
-            return reason
-    return None

@@ -1,0 +1,14 @@
+"""transformers' common model tests for the MoD and hybrid models (harness and accepted failures: _common_harness.py)."""
+
+from __future__ import annotations
+
+import pytest
+from _transformers_tests import Unavailable
+
+try:
+    from _common_harness import make_test_class
+except Unavailable as err:
+    pytest.skip(f"transformers' common tests unavailable: {err}", allow_module_level=True)
+
+TestModCommon = make_test_class("mod", "mod")
+TestHybridCommon = make_test_class("hybrid", "hybrid")
