@@ -131,8 +131,8 @@ def test_eval_never_drops_by_default():
 def test_deepspeed_and_native_moe_give_the_same_logits(arch, mode):
     native = tiny_model(arch, drop_tokens=False)
     deepspeed = AdaptiveForCausalLM(tiny_config(arch, drop_tokens=False, moe_implementation="deepspeed"))
+    deepspeed.setup_expert_parallel()  # process groups before the first forward
     deepspeed.load_state_dict(native.state_dict())  # the native (Mixtral) layout, converted on load
-    deepspeed.setup_expert_parallel()
     native.train(mode == "train")
     deepspeed.train(mode == "train")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(6))
@@ -157,8 +157,8 @@ def test_deepspeed_and_native_moe_give_the_same_logits(arch, mode):
 def test_deepspeed_block_drops_like_the_native_one():
     native = tiny_model("moe", capacity_factor=0.5).train()
     deepspeed = AdaptiveForCausalLM(tiny_config("moe", capacity_factor=0.5, moe_implementation="deepspeed")).train()
+    deepspeed.setup_expert_parallel()  # process groups before the first forward
     deepspeed.load_state_dict(native.state_dict())
-    deepspeed.setup_expert_parallel()
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(8))
     a, b = native(ids), deepspeed(ids)
     assert a.router_stats.dropped_fraction.min().item() > 0
@@ -181,7 +181,7 @@ def test_deepspeed_checkpoint_loads_as_native_with_the_same_logits(tmp_path):
     from safetensors import safe_open
 
     deepspeed = AdaptiveForCausalLM(tiny_config("hybrid", moe_implementation="deepspeed")).eval()
-    deepspeed.setup_expert_parallel()
+    deepspeed.setup_expert_parallel()  # process groups before the first forward
     deepspeed.save_pretrained(tmp_path)
     assert deepspeed.config.moe_implementation == "deepspeed"  # saving does not change the running model
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:  # DeepSpeed's names stay inside its block
