@@ -382,8 +382,10 @@ def from_deepspeed_layout(state_dict: dict) -> dict:
     for prefix, parts in experts.items():
         num = 1 + max(e for e, _, _ in parts)
         for kind in ("weight", "bias"):
-            if (0, "down_proj", kind) not in parts:
+            if not any(part[2] == kind for part in parts):
                 continue
+            if any((e, proj, kind) not in parts for e in range(num) for proj in ("gate_proj", "up_proj", "down_proj")):
+                continue  # an incomplete layer stays unconverted: the loader then reports what is missing
             suffix = "" if kind == "weight" else "_bias"
             out[f"{prefix}experts.gate_up_proj{suffix}"] = torch.stack(
                 [torch.cat([parts[(e, "gate_proj", kind)], parts[(e, "up_proj", kind)]]) for e in range(num)])

@@ -269,3 +269,25 @@ def test_grouped_mm_and_the_per_expert_loop_are_bitwise_equal(monkeypatch, bias)
     gate, up = h.chunk(2, dim=-1)
     expected = (torch.nn.functional.silu(gate) * up) @ w2.t() + (experts.down_proj_bias[2] if bias else 0)
     torch.testing.assert_close(results[0][0][start:start + 20], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_deepspeed_named_checkpoint_loads_into_the_native_block(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from adaptive.errors import AdaptiveError
+
+    model = tiny_model("hybrid").eval()
+    model.save_pretrained(tmp_path)
+    native = load_file(tmp_path / "model.safetensors")
+    old = {k: v.contiguous() for k, v in to_deepspeed_layout(native).items()}  # the layout before 3D experts
+    assert any("deepspeed_experts.7.up_proj" in k for k in old)
+    save_file(old, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(9))
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    # a checkpoint that lacks an expert tensor in both layouts is refused, not silently initialised
+    save_file({k: v for k, v in old.items() if "deepspeed_experts.3.down_proj" not in k},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(AdaptiveError, match="holds no weight for model.layers"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
