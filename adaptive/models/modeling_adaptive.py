@@ -527,7 +527,8 @@ def _is_moe_key(key: str) -> bool:
 
 def _load_moe_weights(model: AdaptivePreTrainedModel, path: str) -> None:
     """Fill the model's MoE weights from the safetensors files in `path`, converting the layout and keeping
-    this rank's experts under expert parallelism. Raises if a MoE weight of the model is in neither layout."""
+    this rank's experts under expert parallelism. A MoE weight in neither layout keeps transformers' treatment
+    of a missing weight (initialised) and is named in a warning."""
     import glob
     import os
 
@@ -537,9 +538,9 @@ def _load_moe_weights(model: AdaptivePreTrainedModel, path: str) -> None:
     own_moe = {k for k in own if _is_moe_key(k)}
     files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else []
     if not files:
-        if model.config.ep_size > 1 or model.config.moe_implementation == "deepspeed":
-            raise AdaptiveError(f"DeepSpeed MoE loads its experts from a local directory; {path!r} is not one")
-        return  # the native layout came through transformers' own loader (hub id, single file)
+        if model.config.ep_size > 1:
+            raise AdaptiveError(f"expert parallelism loads experts from a local directory; {path!r} is not one")
+        return  # transformers' own loader did it (a hub id, or state_dict= without a checkpoint folder)
     prefix = model.base_model_prefix + "."
 
     def own_name(key: str) -> str | None:  # checkpoints of the base model lack the "model." prefix, and vice versa
@@ -565,7 +566,8 @@ def _load_moe_weights(model: AdaptivePreTrainedModel, path: str) -> None:
                 own[name].copy_(value)
                 filled.add(name)
     if own_moe - filled:
-        raise AdaptiveError(f"{path!r} holds no weight for {sorted(own_moe - filled)[0]} in either MoE layout")
+        logger.warning("%s holds no weight for %s (and %d more MoE tensors) in either MoE layout: initialised",
+                       path, sorted(own_moe - filled)[0], len(own_moe - filled) - 1)
 
 
 class AdaptiveModel(AdaptivePreTrainedModel):

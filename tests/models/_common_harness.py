@@ -48,10 +48,17 @@ _BATCH_STATISTICS = (
     "dropped fraction, MoD skip rate and BCE): one row alone gives other values by definition. Logits, hidden "
     "states and attentions are batch-independent: test_hf_usage.py::test_batched_and_single_row_outputs_agree"
 )
+_CHECKPOINT_LAYOUT = (
+    "the DeepSpeed block's state_dict has DeepSpeed's names (deepspeed_moe.experts.deepspeed_experts.{i}...); its "
+    "checkpoint is written in the native (Mixtral) layout so that one checkpoint loads into either block, so the "
+    "file's keys differ from the module's by design (loading converts: test_moe.py)"
+)
 EXPECTED_FAILURES: dict[str, dict[str, str]] = {
     "dense": {},
     "moe": {"test_batching_equivalence": _BATCH_STATISTICS},
-    "moe_deepspeed": {"test_batching_equivalence": _BATCH_STATISTICS},
+    "moe_deepspeed": {"test_batching_equivalence": _BATCH_STATISTICS,
+                      "test_can_use_safetensors": _CHECKPOINT_LAYOUT,
+                      "test_load_save_without_tied_weights": _CHECKPOINT_LAYOUT},
     "mod": {"test_batching_equivalence": _BATCH_STATISTICS},
     "hybrid": {"test_batching_equivalence": _BATCH_STATISTICS},
 }

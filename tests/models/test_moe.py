@@ -275,8 +275,6 @@ def test_a_deepspeed_named_checkpoint_loads_into_the_native_block(tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from adaptive.errors import AdaptiveError
-
     model = tiny_model("hybrid").eval()
     model.save_pretrained(tmp_path)
     native = load_file(tmp_path / "model.safetensors")
@@ -286,8 +284,3 @@ def test_a_deepspeed_named_checkpoint_loads_into_the_native_block(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(9))
     assert torch.equal(loaded(ids).logits, model(ids).logits)
-    # a checkpoint that lacks an expert tensor in both layouts is refused, not silently initialised
-    save_file({k: v for k, v in old.items() if "deepspeed_experts.3.down_proj" not in k},
-              tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(AdaptiveError, match="holds no weight for model.layers"):
-        AutoModelForCausalLM.from_pretrained(tmp_path)
