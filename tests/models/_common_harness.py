@@ -56,11 +56,14 @@ _CHECKPOINT_LAYOUT = (
 EXPECTED_FAILURES: dict[str, dict[str, str]] = {
     "dense": {},
     "moe": {"test_batching_equivalence": _BATCH_STATISTICS},
-    "moe_deepspeed": {"test_batching_equivalence": _BATCH_STATISTICS,
-                      "test_can_use_safetensors": _CHECKPOINT_LAYOUT,
-                      "test_load_save_without_tied_weights": _CHECKPOINT_LAYOUT},
+    "moe_deepspeed": {"test_batching_equivalence": _BATCH_STATISTICS},
     "mod": {"test_batching_equivalence": _BATCH_STATISTICS},
     "hybrid": {"test_batching_equivalence": _BATCH_STATISTICS},
+}
+# Differences by definition in tests that fail in subtests, which xfail does not cover: skipped with the reason.
+SKIPPED_BY_DEFINITION: dict[str, dict[str, str]] = {
+    "moe_deepspeed": {"test_can_use_safetensors": _CHECKPOINT_LAYOUT,
+                      "test_load_save_without_tied_weights": _CHECKPOINT_LAYOUT},
 }
 
 
@@ -162,5 +165,7 @@ def make_test_class(name: str, arch: str, moe_implementation: str = "native", re
         def test_config(self):
             self.config_tester.run_common_tests()
 
+    for test_name, reason in SKIPPED_BY_DEFINITION.get(name, {}).items():
+        setattr(Test, test_name, unittest.skip(reason)(lambda self: None))
     Test.__name__ = Test.__qualname__ = f"Test{name.title().replace('_', '')}Common"
     return Test
