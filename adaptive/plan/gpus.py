@@ -59,9 +59,17 @@ CATALOG: dict[str, GPU] = {
     )
 }
 
+# V100-SXM2-32GB (published runs in plan/corpus.py use it): 125 TFLOP/s fp16 tensor, no bf16, 900 GB/s
+# HBM2, NVLink 2 at 150 GB/s per direction (NVIDIA V100 datasheet); 32510 MiB as PyTorch reports it
+# ("31.75 GiB total capacity" in its OOM messages).
+CATALOG["v100-32gb"] = GPU(name="v100-32gb", memory_bytes=32510 * MiB, peak_tflops=125.0, bf16=False,
+                           memory_bandwidth_gbps=900, link="NVLink 2 (300 GB/s)", link_gbps=150,
+                           price_per_hour=2.48, mfu=0.35)
+
 # Names people type for a catalog entry.
 ALIASES: dict[str, str] = {
     "t4": "t4-16gb",
+    "v100": "v100-32gb", "v100-32g": "v100-32gb", "v100-sxm2-32gb": "v100-32gb",
     "3090": "rtx3090-24gb", "rtx3090": "rtx3090-24gb",
     "4090": "rtx4090-24gb", "rtx4090": "rtx4090-24gb",
     "a10g": "a10g-24gb", "a10": "a10g-24gb",
