@@ -27,7 +27,7 @@ Gpu = Annotated[Optional[str], typer.Option("--gpu", "-g", help="GPU name or ali
 Gpus = Annotated[int, typer.Option("--gpus", help="GPUs per node.")]
 Nodes = Annotated[int, typer.Option("--nodes", help="Number of nodes.")]
 SeqLen = Annotated[int, typer.Option("--seq-len", help="Requested sequence length.")]
-Mfu = Annotated[Optional[float], typer.Option("--mfu", help="Override the assumed MFU (0-1].")]
+Mfu = Annotated[Optional[float], typer.Option("--mfu", help="Override the assumed hardware utilisation of compute (0-1]; MFU is reported.")]
 Price = Annotated[Optional[float], typer.Option("--price", help="USD per GPU hour (default: catalog price).")]
 GpuMem = Annotated[Optional[float], typer.Option("--gpu-mem", help="Custom GPU memory in GiB.")]
 GpuTflops = Annotated[Optional[float], typer.Option("--gpu-tflops", help="Custom GPU peak dense 16-bit TFLOP/s.")]
@@ -59,7 +59,14 @@ def fit(
     gpu_mem: GpuMem = None,
     gpu_tflops: GpuTflops = None,
     calibrate: Annotated[Optional[str], typer.Option(
-        help="Plan with measured activations from `adaptive measure --save-calibration FILE`.")] = None,
+        help="Plan with measured figures: a calibration FILE (`adaptive measure --save-calibration`) or a run "
+             "folder with metrics.jsonl (measured peak and tokens/s).")] = None,
+    optimizer: Annotated[Optional[str], typer.Option(
+        help="Optimizer implementation: auto (fused AdamW, as adaptive runs), adamw_torch (foreach), "
+             "adamw_torch_fused, deepspeed_fused_adam, deepspeed_cpu_adam.")] = None,
+    attention: Annotated[str, typer.Option(help="Attention implementation: sdpa | eager (keeps the scores).")] = "sdpa",
+    ds_config: Annotated[Optional[str], typer.Option(
+        "--ds-config", help="Plan with your DeepSpeed JSON: its values pin knobs and buckets; \"auto\" is searched.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Write ds_config.json, accelerate_config.yaml, plan.json here.")] = None,
     json_output: Json = False,
 ) -> None:
@@ -70,7 +77,7 @@ def fit(
         offload=offload.value if offload else None, micro_batch=micro_batch, grad_accum=grad_accum,
         checkpointing=checkpointing, ep_size=ep_size, capacity_factor=capacity_factor,
         mod_capacity=mod_capacity, mfu=mfu, price=price, host_mem_gib=host_mem, gpu_mem_gib=gpu_mem,
-        gpu_tflops=gpu_tflops, calibrate=calibrate)
+        gpu_tflops=gpu_tflops, calibrate=calibrate, optimizer=optimizer, attention=attention, ds_config=ds_config)
     plan = plan_fit(request)
     files = write_plan_files(plan, out) if out else None
     if json_output:
