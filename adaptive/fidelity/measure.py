@@ -221,12 +221,27 @@ class EmulatedZeroOptimizer:
             self.reduce_buckets = [torch.empty(max(n, 1), dtype=self.dtype) for n in self.backward_buckets]
 
     def end_backward(self) -> None:
+        # ZeRO-1/2 end a backward holding an averaged copy of the 16-bit gradient partition beside the
+        # buckets (measured on DeepSpeed 0.19.8: tests/plan/test_memory_measured_deepspeed_inputs.py)
+        self.averaged = [g.clone() for g in self.grad_partition] if self.backward_buckets else []
         self.reduce_buckets = []
 
     def step(self) -> None:
-        grads = self.grad_partition if self.partitioned else [p.grad for p in self.params]
-        for m, g in zip(self.master, grads):
-            m.grad = g.float()
+        if getattr(self, "averaged", None):
+            # DeepSpeed ZeRO-1/2 flatten the averaged partition to 16 bits, convert that to fp32, then
+            # free both 16-bit copies before the update (stage_1_and_2.step)
+            flat16 = torch.cat([a.reshape(-1) for a in self.averaged])
+            flat32 = flat16.float()
+            self.averaged = []
+            del flat16
+            views = torch.split(flat32, [p.numel() for p in self.params])
+            for m, v in zip(self.master, views):
+                m.grad = v.view_as(m)
+            del flat32, views
+        else:
+            grads = self.grad_partition if self.partitioned else [p.grad for p in self.params]
+            for m, g in zip(self.master, grads):
+                m.grad = g.float()
         for p in self.params:
             p.grad = None
         self.optimizer.step()
