@@ -70,11 +70,12 @@ def main() -> None:
             if summary_only:
                 continue
             first = i == 0
-            print(f"| {p.id if first else ''} | {p.entry['source'] if first else ''} | "
-                  f"{p.entry['stack_kind'] + ': ' + p.entry['stack'] if first else ''} | {setting(p) if first else ''} | "
-                  f"{call if first else ''} | {name} | {fmt(pub_v) if pub_v is not None else ''} | "
-                  f"{fmt(pred_v) if pred_v is not None else ''} | {f'{err:+.1%}' if err is not None else ''} | "
-                  f"{held(p, name) if err is not None else ''} |")
+            cells = [p.id if first else "", p.entry["source"] if first else "",
+                     p.entry["stack_kind"] + ": " + p.entry["stack"] if first else "", setting(p) if first else "",
+                     call if first else "", name, fmt(pub_v) if pub_v is not None else "",
+                     fmt(pred_v) if pred_v is not None else "", f"{err:+.1%}" if err is not None else "",
+                     held(p, name) if err is not None else ""]
+            print("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     print()
     print(f"Fit/OOM calls on runs of our stack's kind: {calls_ok}/{calls} right. Tight margin: {TIGHT_MARGIN:.0%}.")
     print()
