@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from adaptive.config.run import RunConfig
 from adaptive.errors import AdaptiveError, require_positive
 from adaptive.plan.attention import ATTENTIONS
 from adaptive.plan.calibration import load as load_calibration
@@ -136,3 +137,17 @@ def load_ds_config(path: str, hidden_size: int) -> DsConfigInput:
     except json.JSONDecodeError as e:
         raise AdaptiveError(f"--ds-config {path!r} is not valid JSON: {e}") from None
     return parse_ds_config(data, str(path), hidden_size)
+
+
+def request_from_config(config: RunConfig, *, model: str = "b7", calibrate: str | None = None,
+                        optimizer: str | None = None, attention: str = "sdpa", ds_config: str | None = None) -> FitRequest:
+    """The planner's request for a run configuration; `model` when it names none (fit's default)."""
+    m, hw, d, par = config.model, config.hardware, config.data, config.parallelism
+    return make_request(
+        model=m.name or model, gpu=hw.gpu, arch=m.arch, gpus=hw.gpus or 1, nodes=hw.nodes or 1,
+        seq_len=d.seq_len or 2048, min_seq_len=d.min_seq_len, global_batch_tokens=config.schedule.global_batch_tokens,
+        tokens=config.schedule.tokens, zero=par.zero, offload=par.offload, micro_batch=par.micro_batch,
+        grad_accum=par.grad_accum, checkpointing=config.checkpointing.gradient_checkpointing, ep_size=par.ep_size,
+        capacity_factor=m.capacity_factor, mod_capacity=m.mod_capacity, mfu=hw.mfu, price=hw.price,
+        host_mem_gib=hw.host_mem, gpu_mem_gib=hw.gpu_mem, gpu_tflops=hw.gpu_tflops, calibrate=calibrate,
+        optimizer=optimizer, attention=attention, ds_config=ds_config)
