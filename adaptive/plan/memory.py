@@ -267,8 +267,9 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
     if setup.zero_stage in (1, 2) and not offload:
         flatten = int(2 * setup.bytes_per_param * partition)
         step_extra = max(flatten, step_extra)
-        # the averaged partition copy exists at the end of backward, beside the reduce buckets
-        backward = max(backward, buckets_backward + int(setup.bytes_per_param * partition))
+        # the averaged partition copy exists at the end of backward, beside the reduce buckets (and any
+        # gradients held for accumulation), once the activations are freed
+        backward = max(backward, buckets_backward + held + int(setup.bytes_per_param * partition))
     elif setup.zero_stage == 3 and not offload:
         step_extra = max(0, step_extra - int(2 * partition))
     parts["step_flatten"] = flatten
