@@ -18,7 +18,6 @@ records come in as dicts; request.py reads the files.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, replace
 
 from adaptive.errors import AdaptiveError
@@ -69,8 +68,15 @@ def parse_records(records: list[dict], run_dir: str) -> RunMeasurement:
                           grad_accum=int(k["gradient_accumulation_steps"]), seq_len=int(k["seq_len"]),
                           checkpointing=bool(k["gradient_checkpointing"]), zero_stage=int(k["zero_stage"]),
                           offload=offload, ep_size=int(k.get("ep_size") or 1),
-                          tokens_per_s=float(statistics.median(speeds)), peak_allocated_bytes=int(max(peaks)),
+                          tokens_per_s=_median(speeds), peak_allocated_bytes=int(max(peaks)),
                           records=len(used))
+
+
+def _median(values: list[float]) -> float:
+    """The median (statistics.median costs ~40 ms to import, a fifth of fit's budget)."""
+    v = sorted(values)
+    mid = len(v) // 2
+    return float(v[mid]) if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
 
 
 def corrected(mem: MemoryEstimate, factor: float) -> MemoryEstimate:
