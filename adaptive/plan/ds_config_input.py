@@ -149,7 +149,9 @@ def parse(data: Any, path: str, hidden_size: int) -> DsConfigInput:
         if kind not in ("adam", "adamw"):
             ignored.append(f"optimizer.type {opt.get('type')!r} (planned as Adam-family states: 12 bytes/param)")
         if params.get("torch_adam"):
-            optimizer = "adamw_torch" if params.get("foreach", True) is not False else "adamw_torch"
+            # foreach or not: on DeepSpeed's flat fp32 partition the for-loop path's `exp_avg_sq.sqrt()` is a
+            # temporary of the same size, so both are `adamw_torch`
+            optimizer = "adamw_torch"
             sources.append(("optimizer", "optimizer.params.torch_adam = true: torch AdamW, whose step "
                                          "keeps an fp32 temporary per parameter"))
         elif off_opt:
