@@ -47,7 +47,7 @@ CLASS: dict[str, ClassFigures] = {
                             "PCIe 3.0 x16: 16 GB/s per direction (PCI-SIG)", 1.5,
                             "100 Gb/s Ethernet per 8-GPU node (AWS g4dn.metal)", "AWS EC2 G4 instance specs"),
     "v100-32gb": ClassFigures(0.35, "Megatron-LM (arXiv 1909.08053) 39 TFLOP/s per V100 = 30% of 125 at 512 GPUs "
-                              "incl. model parallel; ZeRO paper (arXiv 1910.02054) Fig. 2: 30-40 TFLOP/s per V100",
+                              "incl. model parallel; ZeRO paper (arXiv 1910.02054): 100B at 15 PFLOP/s on 400 V100, ~38 per GPU",
                               "NVLink 2: 300 GB/s total, 150 per direction (NVIDIA V100 datasheet)", 12.5,
                               "8 x 100 Gb/s EDR InfiniBand per DGX-2 node of 16 GPUs (~6 GB/s per GPU); "
                               "AWS p3dn 100 Gb/s per 8 GPUs", "NVIDIA DGX-2 datasheet; AWS p3dn specs"),
