@@ -162,8 +162,9 @@ class OrchestratorOptions:
                                help="Adaptive orchestrator: auto follows the plan's recommendation.")
     orchestrator_policies: str | None = option(
         None, "--orchestrator-policies", commands=RUN,
-        help="Comma-separated policies the orchestrator runs: balance, capacity, oom, guard, ep; 'all' "
-             "(default) or 'none' (monitor and event log only).")
+        help="Comma-separated policies the orchestrator runs (the names in adaptive/orchestrator/registry.py: "
+             "balance, capacity, oom, guard, ep, early_stop, ...); 'all' (default) or 'none' (monitor and event "
+             "log only).")
     orchestrator_config: str | None = option(
         None, "--orchestrator-config", commands=RUN,
         help="Policy settings as a JSON object or file, e.g. '{\"balance\": {\"rate\": 0.001}}' (fields: the "
