@@ -36,7 +36,8 @@ _LLM_FOUNDRY = ("llm-foundry scripts/train/benchmarking/README.md (mosaicml/llm-
                 "checkpointing, where MFU = HFU")
 _A100_HFU = ("HF transformers Llama-7B + DeepSpeed ZeRO-2/3 on 8 A800 (A100 compute), seq 4096: 0.37-0.48 "
              "hardware utilisation over 7 configurations, mean 0.43 (gist.github.com/chenyaofo/"
-             "d4cd6a20ab4b95cb3a49491747e2139a; corpus entries gist-llama7b-*); for comparison: Llama 2 paper (arXiv 2307.09288) Table 2 GPU-hours: 7B/13B/70B imply 45%/43%/46% MFU on "
+             "d4cd6a20ab4b95cb3a49491747e2139a; corpus entries gist-llama7b-*); for comparison: Llama 2 paper "
+             "(arXiv 2307.09288) Table 2 GPU-hours: 7B/13B/70B imply 45%/43%/46% MFU on "
              "A100-80GB at scale; BigScience BLOOM-176B (Megatron-DeepSpeed) ~150 TFLOP/s per A100 = 48%; "
              f"{_LLM_FOUNDRY}: 56-64% with FlashAttention and FSDP, a leaner stack than ours")
 _H100_HFU = ("Llama 3 paper (arXiv 2407.21783) Table 4: 38-43% BF16 MFU on H100; torchtitan docs/performance.md: "
