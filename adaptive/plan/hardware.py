@@ -56,6 +56,8 @@ CLASS: dict[str, ClassFigures] = {
                                  "rate, ~25 usable", 1.5, "100 Gb/s Ethernet per 8-GPU node", "typical workstation NIC"),
     "rtx4090-24gb": ClassFigures(0.35, "stated guess (GeForce, fp32 accumulation)", "PCIe 4.0 x16, no P2P", 1.5,
                                  "100 Gb/s Ethernet per 8-GPU node", "typical workstation NIC"),
+    "rtx5090-32gb": ClassFigures(0.35, "stated guess (GeForce)", "PCIe 5.0 x16, no P2P", 1.5,
+                                 "100 Gb/s Ethernet per 8-GPU node", "typical workstation NIC"),
     "a10g-24gb": ClassFigures(0.25, "A10G reaches ~70 of its 125 datasheet TFLOP/s in practice; 0.25 of 125",
                               "PCIe 4.0 x16", 1.5, "100 Gb/s per 8-GPU g5.48xlarge", "AWS EC2 G5 instance specs"),
     "l4-24gb": ClassFigures(0.30, "stated guess", "PCIe 4.0 x16", 1.5, "100 Gb/s per 8-GPU g6.48xlarge",
