@@ -23,18 +23,11 @@ def fit(
     calibrate: Annotated[Optional[str], typer.Option(
         help="Plan with measured figures: a calibration FILE (`adaptive measure --save-calibration`) or a run "
              "folder with metrics.jsonl (measured peak and tokens/s).")] = None,
-    optimizer: Annotated[Optional[str], typer.Option(
-        help="Optimizer implementation: auto (fused AdamW, as adaptive runs), adamw_torch (foreach), "
-             "adamw_torch_fused, deepspeed_fused_adam, deepspeed_cpu_adam.")] = None,
-    attention: Annotated[str, typer.Option(help="Attention implementation: sdpa | eager (keeps the scores).")] = "sdpa",
-    ds_config: Annotated[Optional[str], typer.Option(
-        "--ds-config", help="Plan with your DeepSpeed JSON: its values pin knobs and buckets; \"auto\" is searched.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Write ds_config.json, accelerate_config.yaml, plan.json here.")] = None,
     json_output: Json = False,
 ) -> None:
     """Plan a DeepSpeed training run: ZeRO, offload, micro-batch, accumulation, checkpointing, cost."""
-    plan = plan_fit(request_from_config(config, calibrate=calibrate, optimizer=optimizer, attention=attention,
-                                        ds_config=ds_config))
+    plan = plan_fit(request_from_config(config, calibrate=calibrate))
     files = write_plan_files(plan, out) if out else None
     if json_output:
         print(json.dumps(plan_dict(plan), indent=2))

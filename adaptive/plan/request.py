@@ -139,8 +139,7 @@ def load_ds_config(path: str, hidden_size: int) -> DsConfigInput:
     return parse_ds_config(data, str(path), hidden_size)
 
 
-def request_from_config(config: RunConfig, *, model: str = "b7", calibrate: str | None = None,
-                        optimizer: str | None = None, attention: str = "sdpa", ds_config: str | None = None) -> FitRequest:
+def request_from_config(config: RunConfig, *, model: str = "b7", calibrate: str | None = None) -> FitRequest:
     """The planner's request for a run configuration; `model` when it names none (fit's default)."""
     m, hw, d, par = config.model, config.hardware, config.data, config.parallelism
     return make_request(
@@ -150,4 +149,4 @@ def request_from_config(config: RunConfig, *, model: str = "b7", calibrate: str 
         grad_accum=par.grad_accum, checkpointing=config.checkpointing.gradient_checkpointing, ep_size=par.ep_size,
         capacity_factor=m.capacity_factor, mod_capacity=m.mod_capacity, mfu=hw.mfu, price=hw.price,
         host_mem_gib=hw.host_mem, gpu_mem_gib=hw.gpu_mem, gpu_tflops=hw.gpu_tflops, calibrate=calibrate,
-        optimizer=optimizer, attention=attention, ds_config=ds_config)
+        optimizer=config.optimizer.optimizer, attention=m.attention, ds_config=par.ds_config)
