@@ -24,6 +24,8 @@ from adaptive.plan.gpus import get_gpu
 from adaptive.plan.params import count_params
 from tests.conftest import REPO_ROOT, subprocess_env
 
+pytestmark = pytest.mark.slow  # real DeepSpeed engines in fresh processes
+
 CONFIG = dict(model_type="llama", vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
               num_attention_heads=8, num_key_value_heads=4)
 SEQ = 8
