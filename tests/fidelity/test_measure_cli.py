@@ -94,6 +94,7 @@ def test_calibration_for_another_model_is_refused(tmp_path):
     assert json.loads(good.stdout)["assumptions"]["activations"].startswith("measured")
 
 
+@pytest.mark.slow  # DeepSpeed engines for every configuration of the GPU check
 def test_gpu_check_runs_on_the_cpu_in_dry_run(tmp_path):
     out = tmp_path / "table.md"
     r = subprocess.run([sys.executable, str(REPO_ROOT / "bench/gpu_check.py"), "--dry-run",
