@@ -162,7 +162,8 @@ def plan_launch(req: LaunchRequest) -> Launch:
                            seq_len=config.data.seq_len or 2048, min_seq_len=config.data.min_seq_len,
                            tokens=config.schedule.tokens, zero=par.zero, offload=par.offload,
                            micro_batch=par.micro_batch, grad_accum=par.grad_accum,
-                           checkpointing=config.checkpointing.gradient_checkpointing, ep_size=par.ep_size)
+                           checkpointing=config.checkpointing.gradient_checkpointing, ep_size=par.ep_size,
+                           ds_config=par.ds_config)
     plan = fit(request)
     if not plan.fits:
         hint = f"; would fit: {plan.suggestions[0]}" if plan.suggestions else ""
@@ -189,7 +190,9 @@ def plan_launch(req: LaunchRequest) -> Launch:
     # the recipe re-derives this plan: the user's options, the written DeepSpeed config, and the knobs
     # that config cannot carry (the launcher, not a flag, gives the recipe its world)
     s = plan.shown.setup
-    handed = config.replace(ds_config=str(files["ds_config"]), output_dir=str(run_dir), gpu=request.gpu.name,
+    # a DeepSpeed file of yours goes to the recipe as it is (its "auto" values are the recipe's to fill)
+    handed = config.replace(ds_config=par.ds_config or str(files["ds_config"]), output_dir=str(run_dir),
+                            gpu=request.gpu.name,
                             gpus=None, nodes=None, seq_len=s.seq_len, gradient_checkpointing=s.gradient_checkpointing,
                             ep_size=s.ep_size if s.spec.is_moe else None)
     recipe_args = [str(recipe.resolve()), *to_argv(handed, TRAIN), *req.recipe_args]

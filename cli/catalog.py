@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from adaptive.plan import ARCHS, CATALOG, PRESETS, count_params, preset_spec
+from adaptive.plan.hardware import figures
 
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
@@ -57,7 +58,8 @@ def models(json_output: Json = False) -> None:
 def gpus(json_output: Json = False) -> None:
     """The GPU catalog: memory, peak 16-bit TFLOP/s, bf16, bandwidth, link, default price."""
     if json_output:
-        print(json.dumps([asdict(g) for g in CATALOG.values()], indent=2))
+        print(json.dumps([dict(asdict(g), hfu_assumed=figures(g.name).hfu,
+                               inter_node_gbps=figures(g.name).inter_node_gbps) for g in CATALOG.values()], indent=2))
         return
     from rich import box
     from rich.table import Table
@@ -66,9 +68,11 @@ def gpus(json_output: Json = False) -> None:
 
     t = Table(title="GPU catalog (prices: typical on-demand USD per GPU hour; override with --price)",
               box=box.SIMPLE_HEAD)
-    for col in ("gpu", "memory GiB", "TFLOP/s 16-bit", "bf16", "HBM GB/s", "intra-node link", "$/h", "MFU assumed"):
+    for col in ("gpu", "memory GiB", "TFLOP/s 16-bit", "bf16", "HBM GB/s", "intra-node link", "inter-node GB/s per GPU", "$/h",
+                "HFU assumed"):
         t.add_column(col, justify="left" if col in ("gpu", "intra-node link") else "right")
     for g in CATALOG.values():
         t.add_row(g.name, f"{g.memory_gib:.1f}", f"{g.peak_tflops:g}", "yes" if g.bf16 else "no (fp16)",
-                  f"{g.memory_bandwidth_gbps:g}", g.link, f"{g.price_per_hour:.2f}", f"{g.mfu:.0%}")
+                  f"{g.memory_bandwidth_gbps:g}", g.link, f"{figures(g.name).inter_node_gbps:g}",
+                  f"{g.price_per_hour:.2f}", f"{figures(g.name).hfu:.0%}")
     console.print(t)

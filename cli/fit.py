@@ -21,7 +21,8 @@ Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instea
 def fit(
     config: RunConfig,
     calibrate: Annotated[Optional[str], typer.Option(
-        help="Plan with measured activations from `adaptive measure --save-calibration FILE`.")] = None,
+        help="Plan with measured figures: a calibration FILE (`adaptive measure --save-calibration`) or a run "
+             "folder with metrics.jsonl (measured peak and tokens/s).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Write ds_config.json, accelerate_config.yaml, plan.json here.")] = None,
     json_output: Json = False,
 ) -> None:

@@ -27,6 +27,10 @@ PART_LABELS = {
     "logits_and_loss": "loss's fp32 log-softmax (saved)",
     "backward_transient": "backward working set (logit grads / recompute)",
     "comm_buckets": "DeepSpeed comm buckets",
+    "attention_scores": "eager attention scores and probabilities (saved)",
+    "optimizer_transient": "optimizer step temporaries (by implementation)",
+    "step_flatten": "DeepSpeed's 16-bit gradient flatten copies (step)",
+    "calibration_correction": "measured peak correction (--calibrate RUN_DIR)",
     "fragmentation": "allocator fragmentation (5%)",
     "cuda_context": "CUDA context (allowance)",
 }
@@ -36,6 +40,8 @@ PART_WHEN = {
     "zero3_grad_partition": "whole step", "grads": "optimizer step", "zero3_live_params": "backward",
     "accumulated_grads": "backward",
     "activations": "backward", "logits_and_loss": "backward", "backward_transient": "backward",
+    "attention_scores": "backward", "optimizer_transient": "optimizer step", "calibration_correction": "peak",
+    "step_flatten": "optimizer step",
     "fragmentation": "allowance", "cuda_context": "allowance",
 }
 
@@ -100,12 +106,27 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
             when = PART_WHEN.get(part, "")
             if part == "grads" and s.zero_stage in (1, 2) and not s.offload_optimizer:
                 when = "16-bit: whole step; fp32: optimizer step"
+            if part == "comm_buckets" and s.zero_stage in (1, 2):
+                when = "backward (reduce buckets)"
             mem.add_row(PART_LABELS.get(part, part), when, f"{value / GiB:,.2f}", bar(value, cap))
     mem.add_row(Text("peak", style="bold"), m.peak_phase.replace("_", " "), f"{m.peak_gpu_bytes / GiB:,.2f}",
                 bar(m.peak_gpu_bytes, cap))
     console.print(mem)
     console.print(f"peak = whole step {gib(m.persistent_bytes)} + max(backward {gib(m.backward_bytes)}, "
                   f"optimizer step {gib(m.step_bytes)}) + allowances")
+    if p.tight:
+        console.print(f"[yellow]Tight:[/yellow] the peak is within {p.tight_margin:.0%} of capacity (the largest "
+                      f"peak under-prediction on published runs of this stack); decided by "
+                      f"{PART_LABELS.get(p.tight_part, p.tight_part)} ({gib(m.parts[p.tight_part])})")
+    if req.ds_config is not None:
+        from adaptive.plan.ds_config_input import drivers
+
+        for part, n, why in drivers(req.ds_config, m.parts, s.zero_stage):
+            console.print(f"{req.ds_config.path}: {PART_LABELS.get(part, part)} {gib(n)} <- {why}", soft_wrap=True)
+        for key in req.ds_config.ignored:
+            console.print(f"{req.ds_config.path}: not modelled: {key}", soft_wrap=True)
+    for note in req.calibrated:
+        console.print(f"Calibrated: {note}", soft_wrap=True)
     if c.memory.host_bytes_per_node:
         ok = "within" if c.fits_host else "[red]more than[/red]"
         console.print(f"Host RAM for offload: {gib(c.memory.host_bytes_per_node)} per node "
@@ -115,8 +136,11 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
     speed.add_column(style="bold")
     speed.add_column()
     speed.add_row("tokens/s (all GPUs)", f"{t.tokens_per_second:,.0f}")
-    speed.add_row("MFU", f"{t.mfu:.1%} predicted (compute at {t.utilisation:.0%} of peak assumed; --mfu)")
-    speed.add_row("step time", f"{t.step_seconds:.2f} s (compute {t.compute_seconds:.2f}, comm {t.comm_seconds:.2f}, "
+    speed.add_row("MFU", f"{t.mfu:.1%} predicted (model FLOPs over peak)")
+    speed.add_row("hardware utilisation", f"{t.utilisation:.0%} of peak in compute kernels, "
+                  f"{'calibrated' if any('utilisation' in n for n in req.calibrated) else 'assumed; --mfu'}")
+    speed.add_row("step time", f"{t.step_seconds:.2f} s (compute {t.compute_seconds:.2f}, comm not hidden "
+                  f"{t.comm_seconds:.2f} of {t.comm_total_seconds:.2f}, "
                   f"all-to-all {t.alltoall_seconds:.2f}, offload {t.offload_seconds:.2f})")
     speed.add_row("training tokens", f"{human(p.train_tokens)}"
                   + ("" if req.train_tokens else " (20 x active params)"))

@@ -64,6 +64,8 @@ class ModelOptions:
                                     help="MoE capacity factor.")
     mod_capacity: float | None = option(None, "--mod-capacity", commands=ESTIMATE, above=0.0, maximum=1.0,
                                         help="MoD capacity (fraction of tokens routed).")
+    attention: str = option("sdpa", "--attention", commands=FIT_ONLY,
+                            help="Attention implementation: sdpa | eager (keeps the scores).")
 
 
 @dataclass(frozen=True)
@@ -134,9 +136,9 @@ class ParallelismOptions:
     ep_size: int | None = option(None, "--ep-size", commands=PLANNING, minimum=1,
                                  help="Pin the expert-parallel size (MoE).")
     ds_config: str | None = option(
-        None, "--ds-config", commands=RUN,
-        help="Use this DeepSpeed JSON instead of planning one: its explicit values pin the knobs, its \"auto\" "
-             "values are filled from the plan.")
+        None, "--ds-config", commands=PLANNING,
+        help="Your DeepSpeed JSON: its explicit values pin the knobs, bucket sizes and optimizer; its \"auto\" "
+             "values are planned (a run fills them in).")
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,10 @@ class CheckpointingOptions:
 
 @dataclass(frozen=True)
 class OptimizerOptions:
+    optimizer: str | None = option(
+        None, "--optimizer", commands=FIT_ONLY,
+        help="Optimizer implementation: auto (fused AdamW, as adaptive runs), adamw_torch (foreach), "
+             "adamw_torch_fused, deepspeed_fused_adam, deepspeed_cpu_adam.")
     lr: float | None = option(None, "--lr", commands=RUN, above=0.0,
                               help="Peak learning rate (default by preset: debug 3e-3, debug_200m 6e-4, b1 and "
                                    "larger 3e-4).")

@@ -179,7 +179,9 @@ def build_model(spec: ModelSpec, hf_config: dict | None, dtype: torch.dtype, che
             from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
 
             overrides = {"capacity_factor": capacity_factor} if spec.is_moe else {}
-            model = AdaptiveForCausalLM(AdaptiveConfig.from_spec(spec, **overrides))
+            cfg = AdaptiveConfig.from_spec(spec, **overrides)
+            cfg._attn_implementation = attn_implementation
+            model = AdaptiveForCausalLM(cfg)
     finally:
         torch.set_default_dtype(previous)
     model.train()
@@ -201,18 +203,45 @@ class EmulatedZeroOptimizer:
         self.optimizer = torch.optim.AdamW(self.master, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
         self.partitioned = zero_stage in (1, 2, 3)
         self.grad_partition: list[torch.Tensor] = []
+        self.buckets: list[torch.Tensor] = []
+        # ZeRO-1/2 (one size): DeepSpeed allocates its two reduce buckets at a backward's first gradient
+        # and frees them when the backward's reduction ends (stage_1_and_2.py setup_buckets /
+        # _release_ipg_buffers); ZeRO-3's buffers (a tuple of sizes) stay allocated.
+        self.backward_buckets = () if isinstance(bucket_elements, tuple) else (bucket_elements,) * 2
         if self.partitioned:
             self.grad_partition = [torch.zeros_like(p) for p in self.params]
-            dtype = self.params[0].dtype
-            sizes = bucket_elements if isinstance(bucket_elements, tuple) else (bucket_elements,) * 2
-            self.buckets = [torch.empty(max(n, 1), dtype=dtype) for n in sizes]
+            self.dtype = self.params[0].dtype
+            if isinstance(bucket_elements, tuple):
+                self.buckets = [torch.empty(max(n, 1), dtype=self.dtype) for n in bucket_elements]
             for p, g in zip(self.params, self.grad_partition):
                 p.register_post_accumulate_grad_hook(_move_grad_into(g))
 
+    def begin_backward(self) -> None:
+        if self.partitioned and self.backward_buckets:
+            self.reduce_buckets = [torch.empty(max(n, 1), dtype=self.dtype) for n in self.backward_buckets]
+
+    def end_backward(self) -> None:
+        # ZeRO-1/2 end a backward holding an averaged copy of the 16-bit gradient partition beside the
+        # buckets (measured on DeepSpeed 0.19.8: tests/plan/test_memory_measured_deepspeed_inputs.py)
+        self.averaged = [g.clone() for g in self.grad_partition] if self.backward_buckets else []
+        self.reduce_buckets = []
+
     def step(self) -> None:
-        grads = self.grad_partition if self.partitioned else [p.grad for p in self.params]
-        for m, g in zip(self.master, grads):
-            m.grad = g.float()
+        if getattr(self, "averaged", None):
+            # DeepSpeed ZeRO-1/2 flatten the averaged partition to 16 bits, convert that to fp32, then
+            # free both 16-bit copies before the update (stage_1_and_2.step)
+            flat16 = torch.cat([a.reshape(-1) for a in self.averaged])
+            flat32 = flat16.float()
+            self.averaged = []
+            del flat16
+            views = torch.split(flat32, [p.numel() for p in self.params])
+            for m, v in zip(self.master, views):
+                m.grad = v.view_as(m)
+            del flat32, views
+        else:
+            grads = self.grad_partition if self.partitioned else [p.grad for p in self.params]
+            for m, g in zip(self.master, grads):
+                m.grad = g.float()
         for p in self.params:
             p.grad = None
         self.optimizer.step()
@@ -234,12 +263,13 @@ def _move_grad_into(buffer: torch.Tensor):
 
 def run_phases(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool, *, zero_stage: int = 0,
                dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int | tuple[int, ...] = 0,
-               capacity_factor: float = 1.0) -> Phases:
+               capacity_factor: float = 1.0, attn_implementation: str = "sdpa") -> Phases:
     """Two training steps on fake tensors; the second (optimizer states exist by then) is measured."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         tracker = PeakBytes()
         with tracker:
-            model = build_model(spec, hf_config, DTYPES[dtype], checkpointing, capacity_factor=capacity_factor)
+            model = build_model(spec, hf_config, DTYPES[dtype], checkpointing, attn_implementation,
+                                capacity_factor=capacity_factor)
             optimizer = EmulatedZeroOptimizer(model, zero_stage, bucket_elements)
             ids = torch.randint(0, spec.vocab_size, (micro_batch, seq_len))
             saved: dict = {}
@@ -250,7 +280,9 @@ def run_phases(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: b
                 # (the loop reads the router statistics after it), so what the statistics hold counts.
                 with count_saved_bytes(saved) if last else contextlib.nullcontext():
                     output = replace(model(input_ids=ids, labels=ids), logits=None)
+                optimizer.begin_backward()
                 output.loss.backward()
+                optimizer.end_backward()
                 del output
                 backward = tracker.peak - persistent
                 tracker.reset_peak()
@@ -287,18 +319,20 @@ def pattern_period(spec: ModelSpec, hf_config: dict | None) -> int:
 
 def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool, *, zero_stage: int = 0,
                  dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int | tuple[int, ...] = 0,
-                 full_depth: bool = False, capacity_factor: float = 1.0) -> Measurement:
+                 full_depth: bool = False, capacity_factor: float = 1.0,
+                 attn_implementation: str = "sdpa") -> Measurement:
     """Measure at full depth, or at two depths (2 and 4 repeats of the layer pattern) extrapolated."""
     if not transformers_class_builds(spec, hf_config):
         hf_config = None  # our class, built from the spec
     kw = dict(zero_stage=zero_stage, dtype=dtype, hf_config=hf_config, bucket_elements=bucket_elements,
-              capacity_factor=capacity_factor)
+              capacity_factor=capacity_factor, attn_implementation=attn_implementation)
     total = spec.num_hidden_layers
     period = pattern_period(spec, hf_config)
     d1, d2 = 2 * period, 4 * period
     name = hf_config["model_type"] if hf_config and hf_config.get("model_type") != "adaptive" else "adaptive"
     what = (f"the {name} model class on fake tensors (no memory), {dtype}, micro-batch {micro_batch} x "
             f"sequence {seq_len}{', full activation checkpointing' if checkpointing else ''}"
+            f"{', eager attention' if attn_implementation == 'eager' else ''}"
             f"{f', MoE capacity factor {capacity_factor:g}' if spec.is_moe and hf_config is None else ''}"
             f"{f', MoD capacity {spec.mod_capacity:g}' if spec.is_mod else ''}: two training steps "
             f"(forward, backward, fused AdamW on fp32 master weights) in DeepSpeed ZeRO-{zero_stage}'s one-GPU "

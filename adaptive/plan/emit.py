@@ -12,10 +12,12 @@ from pathlib import Path
 from adaptive.errors import AdaptiveError
 from adaptive.plan import memory as mem
 from adaptive.plan.advice import OVERHEAD_SOURCE
+from adaptive.plan.ds_config_input import drivers
 from adaptive.plan.gpus import GPU
 from adaptive.plan.memory import TrainSetup, reduce_bucket_elements
 from adaptive.plan.params import count_params
 from adaptive.plan.planner import Candidate, Plan
+from adaptive.plan.tight import TIGHT_MARGIN
 
 GRADIENT_CLIPPING = 1.0
 JSON_SCHEMA_VERSION = 1
@@ -156,13 +158,15 @@ def candidate_dict(c: Candidate) -> dict:
         "fits_gpu": c.fits_gpu,
         "fits_host": c.fits_host,
         "tokens_per_second": t.tokens_per_second,
-        "mfu_assumed": t.utilisation,
+        "mfu_assumed": t.utilisation,  # kept for schema v1: the same figure as hfu_assumed
+        "hfu_assumed": t.utilisation,
         "mfu_predicted": t.mfu,
         "model_flops_per_token": t.model_flops_per_token,
         "hardware_flops_per_token": t.hardware_flops_per_token,
         "step_seconds": t.step_seconds,
         "step_breakdown_seconds": {"compute": t.compute_seconds, "data_parallel_comm": t.comm_seconds,
                                    "moe_alltoall": t.alltoall_seconds, "offload": t.offload_seconds},
+        "data_parallel_comm_total_seconds": t.comm_total_seconds,
     }
 
 
@@ -201,19 +205,46 @@ def plan_dict(plan: Plan) -> dict:
                                                "source": OVERHEAD_SOURCE}},
         "suggestions": list(plan.suggestions),
         "assumptions": assumptions(plan),
+        "optimizer": req.optimizer,
+        "attention": req.attention,
+        "tight": plan.tight,
+        "tight_margin": TIGHT_MARGIN,
+        "tight_decided_by": plan.tight_part,
+        "calibrated": list(req.calibrated),
+        "ds_config": ds_config_dict(plan),
     }
     return out
 
 
+def ds_config_dict(plan: Plan) -> dict | None:
+    """What a --ds-config file set, and which memory parts it drives."""
+    ds = plan.request.ds_config
+    if ds is None:
+        return None
+    c = plan.shown
+    return {"path": ds.path, "set": [{"knob": k, "from": v} for k, v in ds.sources],
+            "ignored": list(ds.ignored),
+            "drives": [{"part": part, "bytes": n, "from": why}
+                       for part, n, why in drivers(ds, c.memory.parts, c.setup.zero_stage)]}
+
+
 def assumptions(plan: Plan) -> dict:
     from adaptive.plan import throughput as tp
+    from adaptive.plan.hardware import NCCL_BUS_EFFICIENCY, figures
 
+    hw = figures(plan.request.gpu.name)
     return {
-        "mfu": plan.shown.throughput.utilisation,
+        "mfu": plan.shown.throughput.utilisation,  # schema v1 name: the assumed hardware utilisation
+        "hfu": plan.shown.throughput.utilisation,
+        "hfu_source": "given (--mfu)" if plan.request.mfu is not None else hw.hfu_source,
         "cuda_context_bytes": mem.CUDA_CONTEXT_BYTES,
         "fragmentation_fraction": mem.FRAGMENTATION,
         "host_mem_bytes_per_node": plan.host_mem_bytes,
-        "internode_gbps_per_gpu": tp.INTERNODE_GBPS_PER_GPU,
+        "intranode_gbps_per_gpu": plan.request.gpu.link_gbps,
+        "intranode_link": f"{plan.request.gpu.link}; {hw.intra_node_source}",
+        "internode_gbps_per_gpu": hw.inter_node_gbps,
+        "internode_link": f"{hw.inter_node} ({hw.inter_node_source})",
+        "nccl_bus_efficiency": NCCL_BUS_EFFICIENCY,
         "host_link_gbps": tp.HOST_LINK_GBPS,
         "cpu_adam_params_per_second": tp.CPU_ADAM_PARAMS_PER_S,
         "capacity_factor": plan.request.capacity_factor,

@@ -85,6 +85,12 @@ _ROWS = (
     GPU(name="mi300x-192gb", memory_bytes=196592 * MiB, peak_tflops=1307.0, bf16=True,
         memory_bandwidth_gbps=5300, link="Infinity Fabric (896 GB/s)", link_gbps=448,
         price_per_hour=2.99, mfu=0.30, vendor="amd", aliases=('mi300x', 'mi300')),
+    # V100-SXM2-32GB (published runs in plan/corpus_runs.json use it): 125 TFLOP/s fp16 tensor, no bf16,
+    # 900 GB/s HBM2, NVLink 2 at 150 GB/s per direction (NVIDIA V100 datasheet); 32510 MiB as PyTorch
+    # reports it ("31.75 GiB total capacity" in its OOM messages).
+    GPU(name="v100-32gb", memory_bytes=32510 * MiB, peak_tflops=125.0, bf16=False,
+        memory_bandwidth_gbps=900, link="NVLink 2 (300 GB/s)", link_gbps=150,
+        price_per_hour=2.48, mfu=0.35, aliases=('v100', 'v100-32g', 'v100-sxm2-32gb')),
 )
 CATALOG: dict[str, GPU] = {g.name: g for g in _ROWS}
 ALIASES: dict[str, str] = {alias: g.name for g in _ROWS for alias in g.aliases}

@@ -11,7 +11,9 @@ import math
 from dataclasses import dataclass
 
 from adaptive.plan.activations import activation_bytes, backward_peak_bytes
+from adaptive.plan.attention import eager_extra_saved_bytes, eager_recompute_bytes
 from adaptive.plan.calibration import Calibration
+from adaptive.plan.optimizers import step_transient_bytes
 from adaptive.plan.params import ParamCounts, count_params
 from adaptive.plan.presets import ModelSpec
 
@@ -49,6 +51,15 @@ class TrainSetup:
     bytes_per_param: int = 2  # bf16 or fp16 weights and activations
     calibration: Calibration | None = None  # measured activations replace the formula
     gradient_accumulation_steps: int = 1  # ZeRO-0/1 hold every 16-bit gradient between boundaries
+    optimizer: str = "auto"  # optimizers.py: its step's transient (foreach AdamW keeps an fp32 temporary)
+    attention: str = "sdpa"  # attention.py: eager keeps the score-sized tensors
+    # DeepSpeed buckets in elements; None: what our emitter writes (REDUCE_BUCKET_ELEMENTS etc., capped
+    # by the model size). A user's ds_config (--ds-config) sets them, uncapped, as DeepSpeed allocates.
+    reduce_bucket_elements: int | None = None
+    allgather_bucket_elements: int | None = None
+    prefetch_bucket_elements: int | None = None
+    overlap_comm: bool = True  # ZeRO-1/2 double-buffer the reduce bucket with overlap_comm
+    fp16: bool = False  # fp16 with loss scaling (no bf16 on the GPU): DeepSpeed's FP16_Optimizer at ZeRO-0
 
     @property
     def world_size(self) -> int:
@@ -155,19 +166,35 @@ def reduce_bucket_elements(counts: ParamCounts) -> int:
 
 
 def comm_buffer_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> int:
-    """DeepSpeed's communication buckets, capped by the size of what they carry."""
+    """DeepSpeed's communication buckets: ours are capped by the size of what they carry; a user's
+    ds_config's are allocated at the size it gives (DeepSpeed's `torch.empty(reduce_bucket_size)`)."""
     c = counts or count_params(setup.spec)
     b = setup.bytes_per_param
+    reduce_elems = setup.reduce_bucket_elements or reduce_bucket_elements(c)
     if setup.zero_stage in (1, 2):
-        # DeepSpeed allocates the whole configured gradient reduce bucket (16-bit) up front, twice
-        # with overlap_comm (double-buffered; measured: tests/plan/test_memory_measured_deepspeed.py),
-        # and an all-gather bucket for the updated params when there is more than one GPU.
-        reduce = 2 * reduce_bucket_elements(c) * b
-        gather = min(ALLGATHER_BUCKET_ELEMENTS, c.total) * b if setup.world_size > 1 else 0
-        return int(reduce + gather)
+        # an all-gather bucket for the updated params when there is more than one GPU, plus the
+        # reduce buckets (reduce_bucket_bytes), which live during backward only
+        gather_elems = setup.allgather_bucket_elements or ALLGATHER_BUCKET_ELEMENTS
+        gather = min(gather_elems, c.total) * b if setup.world_size > 1 else 0
+        return int(reduce_bucket_bytes(setup, c) + gather)
     if setup.zero_stage == 3:
-        return int(reduce_bucket_elements(c) * b + min(STAGE3_PREFETCH_ELEMENTS, c.total) * b)
+        prefetch = setup.prefetch_bucket_elements or STAGE3_PREFETCH_ELEMENTS
+        return int(reduce_elems * b + min(prefetch, c.total) * b)
     return 0
+
+
+def reduce_bucket_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> int:
+    """ZeRO-1/2's gradient reduce buckets. DeepSpeed allocates the whole configured bucket (16-bit) at
+    the first gradient of a backward pass, twice with overlap_comm (double-buffered), and frees them
+    when the backward's reduction ends (stage_1_and_2.py: `setup_buckets`, `_release_ipg_buffers`):
+    so they coexist with the activations but not with the optimizer step. Measured with real engines:
+    tests/plan/test_memory_measured_deepspeed.py, and for a user's 5e8 vs 2e8 buckets
+    tests/plan/test_memory_measured_deepspeed_inputs.py."""
+    if setup.zero_stage not in (1, 2):
+        return 0
+    c = counts or count_params(setup.spec)
+    elements = setup.reduce_bucket_elements or reduce_bucket_elements(c)
+    return int((2 if setup.overlap_comm else 1) * elements * setup.bytes_per_param)
 
 
 def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
@@ -185,11 +212,28 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
         saved = activation_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, ckpt, setup.capacity_factor)
         backward_peak = backward_peak_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, ckpt,
                                             setup.capacity_factor)
+    # Eager attention: its score-sized tensors (attention.py), kept, or recomputed one layer at a time
+    scores_saved = scores_recompute = 0
+    if setup.attention == "eager":
+        if ckpt:
+            scores_recompute = eager_recompute_bytes(setup.spec, setup.seq_len, setup.micro_batch_size)
+        else:
+            scores_saved = eager_extra_saved_bytes(setup.spec, setup.seq_len, setup.micro_batch_size)
+    parts["attention_scores"] = scores_saved
     log_softmax = min(saved, tokens * setup.spec.vocab_size * 4)
     parts["activations"] = saved - log_softmax
     parts["logits_and_loss"] = log_softmax  # the loss keeps its fp32 log-softmax for backward
-    parts["backward_transient"] = backward_peak - saved
+    parts["backward_transient"] = backward_peak - saved + scores_recompute
     parts["comm_buckets"] = comm_buffer_bytes(setup, counts)
+    # the optimizer's own temporaries during its step (foreach AdamW: an fp32 copy of what it updates)
+    updated = local if setup.zero_stage == 0 else partition
+    parts["optimizer_transient"] = step_transient_bytes(setup.optimizer, updated, offload)
+    if setup.fp16 and setup.zero_stage == 0:
+        # DeepSpeed's FP16_Optimizer.step (runtime/fp16/fused_optimizer.py) builds the flat fp32 gradient as
+        # _flatten_dense_tensors([p.grad.to(fp32) ...]): per-parameter fp32 copies (4 bytes/param) alive
+        # beside the flat result while it concatenates. Read from DeepSpeed 0.19.8's code, not measured:
+        # its CPU accelerator runs no fp16.
+        parts["optimizer_transient"] += int(4 * local)
 
     # Which gradient bytes persist: ZeRO-1/2 keep a 16-bit partition buffer between steps and build
     # the fp32 copy only for the step; ZeRO-0 frees its 16-bit grads after each step.
@@ -204,14 +248,32 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
     if setup.gradient_accumulation_steps > 1 and setup.zero_stage in (0, 1):
         held = int(2 * local)
     parts["accumulated_grads"] = held
-    persistent = (parts["params"] + parts["optimizer"] + parts["comm_buckets"] + parts["zero3_grad_partition"]
-                  + grads_persistent)
-    backward = (parts["activations"] + parts["logits_and_loss"] + parts["backward_transient"]
-                + parts["zero3_live_params"] + held)
+    buckets_backward = reduce_bucket_bytes(setup, counts)  # ZeRO-1/2 reduce buckets: backward only
+    persistent = (parts["params"] + parts["optimizer"] + parts["comm_buckets"] - buckets_backward
+                  + parts["zero3_grad_partition"] + grads_persistent)
+    backward = (parts["activations"] + parts["attention_scores"] + parts["logits_and_loss"]
+                + parts["backward_transient"] + parts["zero3_live_params"] + held + buckets_backward)
     if setup.zero_stage == 0 and not offload and not held:
         # ZeRO-0 builds the 16-bit gradients during backward; they are complete when it ends
         backward = max(backward, parts["params"])
-    step = parts["grads"] - grads_persistent
+    # The optimizer step, measured on DeepSpeed 0.19.8 engines (bf16, CPU; tests/plan/
+    # test_memory_measured_deepspeed*.py): beyond the fp32 gradients, ZeRO-1/2 flatten the averaged 16-bit
+    # gradient partition (that partition copy plus the flat copy: 2 x 2 bytes per partition param) before
+    # the update; an optimizer temporary (foreach AdamW: 4 bytes) comes after those are freed, so the
+    # larger of the two counts. ZeRO-3 frees 2 bytes per partition param before the update, ZeRO-0
+    # nothing: foreach AdamW adds its 4 bytes net under ZeRO-0, 2 under ZeRO-3, none under ZeRO-1/2.
+    flatten = 0
+    step_extra = parts["optimizer_transient"]
+    if setup.zero_stage in (1, 2) and not offload:
+        flatten = int(2 * setup.bytes_per_param * partition)
+        step_extra = max(flatten, step_extra)
+        # the averaged partition copy exists at the end of backward, beside the reduce buckets (and any
+        # gradients held for accumulation), once the activations are freed
+        backward = max(backward, buckets_backward + held + int(setup.bytes_per_param * partition))
+    elif setup.zero_stage == 3 and not offload:
+        step_extra = max(0, step_extra - int(2 * partition))
+    parts["step_flatten"] = flatten
+    step = parts["grads"] - grads_persistent + step_extra
     allocated = persistent + max(backward, step)
     parts["fragmentation"] = int(math.ceil(FRAGMENTATION * allocated))
     parts["cuda_context"] = CUDA_CONTEXT_BYTES

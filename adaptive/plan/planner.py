@@ -11,10 +11,13 @@ from dataclasses import dataclass, field, replace
 from adaptive.errors import AdaptiveError, require_positive
 from adaptive.plan.advice import OrchestratorAdvice, orchestrator_advice
 from adaptive.plan.calibration import Calibration
+from adaptive.plan.ds_config_input import DsConfigInput
 from adaptive.plan.gpus import CATALOG, GPU
 from adaptive.plan.memory import MemoryEstimate, TrainSetup, estimate_memory
 from adaptive.plan.params import ParamCounts, count_params
 from adaptive.plan.presets import PRESETS, ModelSpec, spec_from_shape
+from adaptive.plan.run_calibration import corrected
+from adaptive.plan.tight import TIGHT_MARGIN, deciding_part, is_tight
 from adaptive.plan.throughput import Throughput, cost_usd, estimate_throughput, train_hours
 
 OFFLOADS = ("none", "optimizer", "all")
@@ -45,6 +48,11 @@ class FitRequest:
     mfu: float | None = None
     host_mem_bytes: int | None = None  # per node; default: 3x the node's GPU memory
     calibration: Calibration | None = None  # measured activations (adaptive measure --save-calibration)
+    optimizer: str = "auto"  # optimizers.OPTIMIZERS: the step's transient memory by implementation
+    attention: str = "sdpa"  # sdpa | eager (eager keeps the score-sized tensors)
+    ds_config: DsConfigInput | None = None  # a user's DeepSpeed JSON: buckets, overlap_comm (pins are merged in)
+    peak_correction: float = 1.0  # measured/predicted allocated peak of a real run on this GPU (--calibrate RUN_DIR)
+    calibrated: tuple[str, ...] = ()  # which figures are calibrated, and from what
 
     @property
     def world_size(self) -> int:
@@ -97,6 +105,20 @@ class Plan:
     @property
     def shown(self) -> Candidate:
         return self.best or self.closest
+
+    @property
+    def tight(self) -> bool:
+        """Fits, but within TIGHT_MARGIN (the corpus's largest peak under-prediction) of capacity."""
+        return self.fits and is_tight(self.shown.memory.peak_gpu_bytes, self.request.gpu.memory_bytes)
+
+    @property
+    def tight_margin(self) -> float:
+        return TIGHT_MARGIN
+
+    @property
+    def tight_part(self) -> str | None:
+        m = self.shown.memory
+        return deciding_part(m.parts, m.peak_phase) if self.tight else None
 
     @property
     def hours(self) -> float:
@@ -216,6 +238,8 @@ def zero_offload_candidates(req: FitRequest) -> list[tuple[int, str]]:
                 continue
             if off == "optimizer" and z == 0:
                 continue
+            if off == "none" and req.optimizer == "deepspeed_cpu_adam":
+                continue  # DeepSpeedCPUAdam runs only on offloaded states
             out.append((z, off))
     return out
 
@@ -242,12 +266,17 @@ def micro_batch_candidates(req: FitRequest, global_tokens: int, seq: int) -> lis
 def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, offload: str,
              ckpt: bool, ep: int, global_tokens: int, host_mem: int) -> Candidate:
     accum = req.grad_accum or grad_accum_for(req, global_tokens, seq, micro)
+    ds = req.ds_config
+    buckets = {} if ds is None else dict(
+        reduce_bucket_elements=ds.reduce_bucket_elements, allgather_bucket_elements=ds.allgather_bucket_elements,
+        prefetch_bucket_elements=ds.prefetch_bucket_elements, overlap_comm=ds.overlap_for(zero))
     setup = TrainSetup(spec=spec, seq_len=seq, micro_batch_size=micro, zero_stage=zero,
                        offload_optimizer=offload in ("optimizer", "all"), offload_params=offload == "all",
                        gradient_checkpointing=ckpt, gpus_per_node=req.gpus_per_node, num_nodes=req.num_nodes,
                        ep_size=ep, capacity_factor=req.capacity_factor, calibration=req.calibration,
-                       gradient_accumulation_steps=accum)
-    mem = estimate_memory(setup)
+                       gradient_accumulation_steps=accum, optimizer=req.optimizer, attention=req.attention,
+                       fp16=not req.gpu.bf16, **buckets)
+    mem = corrected(estimate_memory(setup), req.peak_correction)
     tp = estimate_throughput(setup, req.gpu, accum, req.mfu)
     return Candidate(setup=setup, memory=mem, throughput=tp,
                      fits_gpu=mem.peak_gpu_bytes <= req.gpu.memory_bytes,

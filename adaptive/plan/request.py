@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 from adaptive.config.run import RunConfig
 from adaptive.errors import AdaptiveError, require_positive
+from adaptive.plan.attention import ATTENTIONS
 from adaptive.plan.calibration import load as load_calibration
+from adaptive.plan.ds_config_input import DsConfigInput, parse as parse_ds_config
 from adaptive.plan.gpus import GiB, GPU, custom_gpu, get_gpu
 from adaptive.plan.hf_config import looks_like_path, spec_from_hf_config
+from adaptive.plan.optimizers import check_optimizer
 from adaptive.plan.planner import FitRequest
 from adaptive.plan.presets import ModelSpec, preset_spec
+from adaptive.plan.run_calibration import CALIBRATION_FILE, RunMeasurement
+from adaptive.plan.run_calibration import METRICS_FILE as RUN_METRICS_FILE
+from adaptive.plan.run_calibration import calibrate as calibrate_with_run
+from adaptive.plan.run_calibration import parse_records as parse_run_records
 
 
 def resolve_model(model: str, arch: str | None = None, mod_capacity: float | None = None) -> ModelSpec:
@@ -44,10 +53,27 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
                  capacity_factor: float = 1.0, mod_capacity: float | None = None, mfu: float | None = None,
                  price: float | None = None, host_mem_gib: float | None = None,
                  gpu_mem_gib: float | None = None, gpu_tflops: float | None = None,
-                 calibrate: str | None = None) -> FitRequest:
+                 calibrate: str | None = None, optimizer: str | None = None, attention: str = "sdpa",
+                 ds_config: str | None = None) -> FitRequest:
     require_positive("--host-mem", host_mem_gib)
     spec = resolve_model(model, arch, mod_capacity)
-    return FitRequest(
+    if attention not in ATTENTIONS:
+        raise AdaptiveError(f"--attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    optimizer = check_optimizer(optimizer) if optimizer else None
+    ds = load_ds_config(ds_config, spec.hidden_size) if ds_config else None
+    if ds is not None:
+        merged = merge_ds_pins(ds, zero=zero, offload=offload, micro_batch=micro_batch, grad_accum=grad_accum,
+                               optimizer=optimizer, global_batch_tokens=global_batch_tokens, seq_len=seq_len)
+        zero, offload, micro_batch, grad_accum, optimizer, global_batch_tokens = merged
+    activations, run = None, None
+    if calibrate:
+        if Path(calibrate).is_dir():  # a run folder: its metrics, and its activation calibration file if any
+            run = load_run(calibrate)
+            cal_file = Path(calibrate) / CALIBRATION_FILE
+            activations = load_calibration(cal_file, spec, capacity_factor) if cal_file.exists() else None
+        else:
+            activations = load_calibration(calibrate, spec, capacity_factor)
+    request = FitRequest(
         spec=spec,
         gpu=resolve_gpu(gpu, gpu_mem_gib, gpu_tflops, price),
         gpus_per_node=gpus, num_nodes=nodes, seq_len=seq_len, min_seq_len=min_seq_len,
@@ -55,8 +81,62 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         micro_batch_size=micro_batch, grad_accum=grad_accum, gradient_checkpointing=checkpointing,
         ep_size=ep_size, capacity_factor=capacity_factor, mfu=mfu,
         host_mem_bytes=int(host_mem_gib * GiB) if host_mem_gib is not None else None,
-        calibration=load_calibration(calibrate, spec, capacity_factor) if calibrate else None,
+        calibration=activations, optimizer=optimizer or "auto", attention=attention, ds_config=ds,
+        calibrated=(f"activations (measured at seq {activations.seq_len}: {activations.method})",) if activations else (),
     )
+    return calibrate_with_run(request, run) if run is not None else request
+
+
+def load_run(run_dir: str) -> RunMeasurement:
+    """The measurements in RUN_DIR/metrics.jsonl; AdaptiveError when missing or malformed."""
+    path = Path(run_dir) / RUN_METRICS_FILE
+    try:
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        raise AdaptiveError(f"--calibrate {run_dir!r}: no {RUN_METRICS_FILE} in that folder; run a recipe with "
+                            "--output-dir there first") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise AdaptiveError(f"--calibrate {run_dir!r}: cannot read {RUN_METRICS_FILE}: {e}") from None
+    try:
+        return parse_run_records(records, str(run_dir))
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, AdaptiveError):
+            raise
+        raise AdaptiveError(f"--calibrate {run_dir!r}: malformed {RUN_METRICS_FILE} record: {e}") from None
+
+
+def merge_ds_pins(ds: DsConfigInput, *, zero: int | None, offload: str | None, micro_batch: int | None,
+                  grad_accum: int | None, optimizer: str | None, global_batch_tokens: int | None,
+                  seq_len: int) -> tuple:
+    """The file's explicit values fill the knobs the flags leave free; a flag that contradicts the file
+    is an error. Returns (zero, offload, micro_batch, grad_accum, optimizer, global_batch_tokens)."""
+    pins = {"--zero": (zero, ds.zero_stage, "zero_stage"), "--offload": (offload, ds.offload, "offload"),
+            "--micro-batch": (micro_batch, ds.micro_batch_size, "micro_batch_size"),
+            "--grad-accum": (grad_accum, ds.grad_accum, "grad_accum"),
+            "--optimizer": (optimizer, ds.optimizer, "optimizer")}
+    sources = dict(ds.sources)
+    for flag, (given, pinned, knob) in pins.items():
+        if given is not None and pinned is not None and given != pinned:
+            raise AdaptiveError(f"{flag} {given} contradicts {ds.path} ({sources.get(knob, pinned)}); "
+                                "drop the flag or edit the file")
+    if global_batch_tokens is None and ds.train_batch_size is not None:
+        global_batch_tokens = ds.train_batch_size * seq_len
+    return (zero if zero is not None else ds.zero_stage, offload if offload is not None else ds.offload,
+            micro_batch or ds.micro_batch_size, grad_accum or ds.grad_accum, optimizer or ds.optimizer,
+            global_batch_tokens)
+
+
+def load_ds_config(path: str, hidden_size: int) -> DsConfigInput:
+    """Read and parse a DeepSpeed JSON (--ds-config); AdaptiveError when it cannot be read."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise AdaptiveError(f"--ds-config {path!r} does not exist") from None
+    except OSError as e:
+        raise AdaptiveError(f"cannot read --ds-config {path!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise AdaptiveError(f"--ds-config {path!r} is not valid JSON: {e}") from None
+    return parse_ds_config(data, str(path), hidden_size)
 
 
 def request_from_config(config: RunConfig, *, model: str = "b7", calibrate: str | None = None) -> FitRequest:
@@ -68,4 +148,5 @@ def request_from_config(config: RunConfig, *, model: str = "b7", calibrate: str 
         tokens=config.schedule.tokens, zero=par.zero, offload=par.offload, micro_batch=par.micro_batch,
         grad_accum=par.grad_accum, checkpointing=config.checkpointing.gradient_checkpointing, ep_size=par.ep_size,
         capacity_factor=m.capacity_factor, mod_capacity=m.mod_capacity, mfu=hw.mfu, price=hw.price,
-        host_mem_gib=hw.host_mem, gpu_mem_gib=hw.gpu_mem, gpu_tflops=hw.gpu_tflops, calibrate=calibrate)
+        host_mem_gib=hw.host_mem, gpu_mem_gib=hw.gpu_mem, gpu_tflops=hw.gpu_tflops, calibrate=calibrate,
+        optimizer=config.optimizer.optimizer, attention=m.attention, ds_config=par.ds_config)

@@ -1,7 +1,16 @@
 """Training FLOPs, predicted step time, tokens/s, time and cost. Estimates, and labelled as such.
 
-Step time = compute / utilisation, then communication DeepSpeed cannot hide, then the CPU side of
-offload. Compute uses the GPU's stated MFU assumption (gpus.py), overridable with --mfu.
+Step time = compute + the communication DeepSpeed cannot hide behind it + MoE all-to-all + the CPU
+side of offload.
+- Compute: hardware FLOPs (recompute included) at an assumed hardware utilisation per GPU class
+  (hardware.py, from published measurements; `--mfu` overrides it). The MFU reported is always model
+  FLOPs over peak, so checkpointing lowers MFU through the recompute, not through the assumption.
+- Communication overlaps with compute as DeepSpeed runs it (`overlap_comm`, ZeRO-3 prefetch):
+  gradient reduction hides behind the backward pass that produces the gradients, ZeRO-3's parameter
+  all-gathers behind the forward/backward they feed; only the excess, the last bucket's reduction
+  after backward ends and ZeRO-1/2's all-gather of updated parameters after the step are exposed.
+- Bandwidths: the catalog's intra-node link; across nodes the per-GPU InfiniBand/Ethernet share of the
+  vendors' system specs (hardware.py); collectives reach NCCL_BUS_EFFICIENCY of the line rate.
 """
 
 from __future__ import annotations
@@ -11,16 +20,18 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from adaptive.plan.gpus import GPU
-from adaptive.plan.memory import TrainSetup
 from adaptive.plan.blocks import block_type
+from adaptive.plan.hardware import NCCL_BUS_EFFICIENCY, figures
+from adaptive.plan.memory import TrainSetup, reduce_bucket_elements
 from adaptive.plan.params import count_params, expert_params, layer_params, mod_router_params
 from adaptive.plan.presets import ModelSpec
 
 # Stated assumptions (each one is printed with the plan in the JSON `assumptions` block).
-INTERNODE_GBPS_PER_GPU = 25.0  # 200 Gb/s InfiniBand/EFA per GPU, as on typical training clusters
 HOST_LINK_GBPS = 20.0  # effective PCIe bandwidth for offload copies (pinned memory)
-CPU_ADAM_PARAMS_PER_S = 1.0e9  # DeepSpeed CPUAdam per node (AVX2/AVX-512, tens of cores)
-ZERO3_EFFICIENCY = 0.9  # prefetch bubbles and extra kernels of ZeRO-3
+# DeepSpeed CPUAdam, parameters per second per node, offload copies included: measured 0.34e9 on 2 x Xeon
+# 8358 with 8 ranks (HF Llama-7B, DeepSpeed 0.14.2: offload added 20.1 s per step for 6.74B params;
+# gist chenyaofo/d4cd6a20ab4b95cb3a49491747e2139a, rows ZeRO-2 ckpt with and without optimizer offload)
+CPU_ADAM_PARAMS_PER_S = 0.34e9
 PARAM_OFFLOAD_EFFICIENCY = 0.5  # ZeRO-Infinity parameter fetches stall the forward pass
 
 
@@ -28,14 +39,15 @@ PARAM_OFFLOAD_EFFICIENCY = 0.5  # ZeRO-Infinity parameter fetches stall the forw
 class Throughput:
     model_flops_per_token: float  # 6·N_active(matmul params) + attention, MoD-scaled
     hardware_flops_per_token: float  # + recompute under checkpointing, + padded MoE capacity slots
-    utilisation: float  # fraction of peak the compute kernels reach (assumption)
+    utilisation: float  # hardware FLOPs utilisation the compute kernels reach (assumption, hardware.py)
     step_seconds: float  # one optimizer step
     compute_seconds: float
-    comm_seconds: float  # data-parallel collectives (overlapped with compute)
+    comm_seconds: float  # data-parallel collectives that cannot hide behind compute
     alltoall_seconds: float  # MoE expert-parallel all-to-all (not overlapped)
     offload_seconds: float  # host copies + CPU Adam per optimizer step
     tokens_per_second: float  # whole job
     mfu: float  # model FLOPs achieved / peak, whole job
+    comm_total_seconds: float = 0.0  # all data-parallel collective time, hidden or not
 
 
 @lru_cache(maxsize=1024)
@@ -73,8 +85,44 @@ def hardware_flops_per_token(s: ModelSpec, seq_len: int, checkpointing: bool, ca
     return flops
 
 
-def _collective_gbps(gpu: GPU, setup: TrainSetup) -> float:
-    return gpu.link_gbps if setup.num_nodes == 1 else min(gpu.link_gbps, INTERNODE_GBPS_PER_GPU)
+def collective_gbps(gpu: GPU, setup: TrainSetup) -> float:
+    """Bus bandwidth a data-parallel collective reaches, GB/s per GPU: the intra-node link inside one
+    node, else the slower of it and the per-GPU inter-node share, at NCCL_BUS_EFFICIENCY."""
+    line = gpu.link_gbps if setup.num_nodes == 1 else min(gpu.link_gbps, figures(gpu.name).inter_node_gbps)
+    return line * NCCL_BUS_EFFICIENCY
+
+
+def data_parallel_comm(setup: TrainSetup, gpu: GPU, grad_accum: int, fwd_micro: float,
+                       bwd_micro: float) -> tuple[float, float]:
+    """(exposed, total) seconds of ZeRO/data-parallel collectives per optimizer step.
+
+    Ring collectives move (n-1)/n of the buffer per GPU. What overlaps, as DeepSpeed runs it:
+    ZeRO-0/1 all-reduce the gradients at the accumulation boundary during the last micro-batch's
+    backward; ZeRO-2 reduce-scatters during every backward; ZeRO-3 all-gathers each layer's
+    parameters ahead of its forward and backward (and recompute) and reduce-scatters during backward.
+    The last bucket's reduction starts after backward ends, and ZeRO-1/2 all-gather the updated
+    parameters after the optimizer step: both exposed.
+    """
+    n = setup.world_size
+    if n == 1:
+        return 0.0, 0.0
+    counts = count_params(setup.spec)
+    b = setup.bytes_per_param
+    ring = (n - 1) / n
+    p16 = (counts.total - counts.expert + counts.expert / setup.ep_size) * b
+    gbps = collective_gbps(gpu, setup) * 1e9
+    bucket = min(setup.reduce_bucket_elements or reduce_bucket_elements(counts), counts.total) * b
+    one = ring * p16 / gbps  # one reduce-scatter or all-gather of the 16-bit model
+    last_bucket = ring * bucket / gbps
+    if setup.zero_stage in (0, 1):
+        allreduce = 2 * one
+        return max(0.0, allreduce - bwd_micro) + 2 * last_bucket, allreduce
+    if setup.zero_stage == 2:
+        exposed = grad_accum * max(0.0, one - bwd_micro) + last_bucket + one
+        return exposed, grad_accum * one + one
+    gathers_bwd = 2 if setup.gradient_checkpointing else 1  # backward (and recompute) gathers
+    per_micro = max(0.0, one - fwd_micro) + max(0.0, (gathers_bwd + 1) * one - bwd_micro)
+    return grad_accum * per_micro + last_bucket, grad_accum * (gathers_bwd + 2) * one
 
 
 def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float | None = None) -> Throughput:
@@ -85,26 +133,14 @@ def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float
     tokens_step_gpu = setup.tokens_per_micro_batch * grad_accum
     model_fpt = model_flops_per_token(s, setup.seq_len)
     hw_fpt = hardware_flops_per_token(s, setup.seq_len, setup.gradient_checkpointing, setup.capacity_factor)
-    util = mfu if mfu is not None else gpu.mfu
-    if setup.zero_stage == 3:
-        util *= ZERO3_EFFICIENCY
+    util = mfu if mfu is not None else figures(gpu.name).hfu
     if setup.offload_params:
         util *= PARAM_OFFLOAD_EFFICIENCY
     compute = tokens_step_gpu * hw_fpt / (util * gpu.peak_tflops * 1e12)
-
-    # Data-parallel collectives per optimizer step (ring: each GPU moves (n-1)/n of the buffer).
-    comm = 0.0
-    if n > 1:
-        ring = (n - 1) / n
-        p16 = (counts.total - counts.expert + counts.expert / setup.ep_size) * b
-        if setup.zero_stage in (0, 1):
-            volume = 2 * ring * p16  # one all-reduce of 16-bit grads at the boundary
-        elif setup.zero_stage == 2:
-            volume = ring * p16 * grad_accum + ring * p16  # reduce-scatter per micro-step + all-gather
-        else:
-            passes = 3 if setup.gradient_checkpointing else 2  # all-gathers in fwd, bwd (and recompute)
-            volume = (passes + 1) * ring * p16 * grad_accum  # + reduce-scatter
-        comm = volume / (_collective_gbps(gpu, setup) * 1e9)
+    # forward = a third of the model FLOPs; backward the rest, recompute included
+    micro = compute / grad_accum
+    fwd_micro = micro * (model_fpt / 3) / hw_fpt
+    comm, comm_total = data_parallel_comm(setup, gpu, grad_accum, fwd_micro, micro - fwd_micro)
 
     alltoall = 0.0
     if s.is_moe and setup.ep_size > 1:
@@ -113,7 +149,7 @@ def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float
         passes = 1.5 if setup.gradient_checkpointing else 1.0
         # DeepSpeed builds expert-parallel groups from consecutive ranks: within a node while they fit
         intra_node = setup.ep_size <= setup.gpus_per_node
-        gbps = gpu.link_gbps if intra_node else _collective_gbps(gpu, setup)
+        gbps = gpu.link_gbps * NCCL_BUS_EFFICIENCY if intra_node else collective_gbps(gpu, setup)
         alltoall = passes * per_layer * s.num_moe_layers * grad_accum / (gbps * 1e9)
 
     offload = 0.0
@@ -123,7 +159,7 @@ def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float
         adam = counts.total / setup.num_nodes / CPU_ADAM_PARAMS_PER_S
         offload = copies + adam
 
-    step = max(compute, comm) + alltoall + offload
+    step = compute + comm + alltoall + offload
     tokens_per_second = tokens_step_gpu * n / step
     peak = gpu.peak_tflops * 1e12 * n
     return Throughput(
@@ -137,6 +173,7 @@ def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float
         offload_seconds=offload,
         tokens_per_second=tokens_per_second,
         mfu=tokens_per_second * model_fpt / peak,
+        comm_total_seconds=comm_total,
     )
 
 

@@ -81,7 +81,7 @@ def test_out_writes_the_three_files(tmp_path):
     (["fit", "--model", "b7", "--gpu", "a100", "--gpus", "two"], "Invalid value for '--gpus'"),
     (["fit", "--model", "b1", "--arch", "moe", "--gpu", "a100", "--zero", "3"], "refuses ZeRO stage 3"),
     (["fit", "--model", "b7", "--gpu-mem", "24"], "--gpu-tflops"),
-    (["compare", "--model", "b1", "--gpu", "v100"], "unknown GPU 'v100'"),
+    (["compare", "--model", "b1", "--gpu", "p100"], "unknown GPU 'p100'"),  # v100 is in the catalog since issue 10
     (["fit", "--model", "b7", "--gpu", "a100", "--host-mem", "inf"], "--host-mem must be a finite number"),
     (["fit", "--model", "b7", "--gpu-mem", "nan", "--gpu-tflops", "300"], "--gpu-mem must be a finite number, got nan"),
     (["fit", "--model", "b7", "--gpu", "a100", "--mfu", "nan"], "--mfu must be a finite number, got nan"),

@@ -29,8 +29,9 @@ def main() -> None:
     torch.manual_seed(0)
     config = AdaptiveConfig.from_preset("debug", arch="moe", moe_implementation=impl)
     model = AdaptiveForCausalLM(config).to(torch.bfloat16).train()
+    model.setup_expert_parallel()  # DeepSpeed's expert groups, before the first forward
     ids = torch.randint(0, config.vocab_size, (batch, seq))
-    model(input_ids=ids, labels=ids).loss.backward()  # warm-up: DeepSpeed's groups, lazy buffers
+    model(input_ids=ids, labels=ids).loss.backward()  # warm-up: lazy buffers
     model.zero_grad(set_to_none=True)
     gc.collect()
     counter = PeakBytes()

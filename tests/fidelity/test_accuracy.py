@@ -39,9 +39,11 @@ def test_debug_preset_predictions_match_measurement(record_error, arch, checkpoi
 
 @pytest.mark.parametrize("arch", ["moe", "hybrid"])
 def test_moe_backward_working_set_where_it_sets_the_peak(record_error, arch):
+    # micro-batch 4: since issue 10 the ZeRO-2 step counts DeepSpeed's 16-bit flatten copies (measured),
+    # which at micro-batch 2 outweigh this cell's backward
     request = make_request(model="debug_200m", arch=arch, gpu="a100-80gb", seq_len=2048)
-    report = check(record_error, request, "debug_200m", f"debug_200m {arch} seq 2048 mb 2", zero_stage=2,
-                   micro_batch=2)
+    report = check(record_error, request, "debug_200m", f"debug_200m {arch} seq 2048 mb 4", zero_stage=2,
+                   micro_batch=4)
     backward = next(p for p in report.parts if p.name.startswith("backward"))
     step = next(p for p in report.parts if p.name.startswith("optimizer"))
     assert backward.measured_bytes > step.measured_bytes  # the cell really is backward-bound

@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import REPO_ROOT, subprocess_env
 
+pytestmark = pytest.mark.slow  # DeepSpeed MoE steps in fresh processes
+
 
 def step_memory(impl: str) -> dict:
     out = subprocess.run([sys.executable, str(REPO_ROOT / "tests/fidelity/_moe_memory_worker.py"), impl, "512", "2"],

@@ -10,6 +10,7 @@ from adaptive.fidelity.calibrate import measure_calibration
 from adaptive.fidelity.measure import measure_step
 from adaptive.plan import fit, make_request
 from adaptive.plan.calibration import to_json
+from adaptive.plan.memory import reduce_bucket_bytes
 from tests.conftest import REPO_ROOT, subprocess_env
 
 QWEN2_MOE = dict(model_type="qwen2_moe", vocab_size=5003, hidden_size=256, intermediate_size=640,
@@ -78,7 +79,9 @@ def test_calibration_replaces_the_formula_for_a_model_it_does_not_cover(tmp_path
                                   checkpointing=False, calibrate=str(calibration)), suggest=False)
     parts = calibrated.shown.memory.parts
     assert parts["activations"] + parts["logits_and_loss"] == pytest.approx(measured.activation_bytes, rel=0.02)
-    assert calibrated.shown.memory.backward_bytes == pytest.approx(measured.phases.backward, rel=0.02)
+    # the plan's backward phase holds its ZeRO-2 reduce buckets; the measurement ran with 1-element ones
+    buckets = reduce_bucket_bytes(calibrated.shown.setup)
+    assert calibrated.shown.memory.backward_bytes - buckets == pytest.approx(measured.phases.backward, rel=0.02)
 
 
 def test_calibration_for_another_model_is_refused(tmp_path):
@@ -91,6 +94,7 @@ def test_calibration_for_another_model_is_refused(tmp_path):
     assert json.loads(good.stdout)["assumptions"]["activations"].startswith("measured")
 
 
+@pytest.mark.slow  # DeepSpeed engines for every configuration of the GPU check
 def test_gpu_check_runs_on_the_cpu_in_dry_run(tmp_path):
     out = tmp_path / "table.md"
     r = subprocess.run([sys.executable, str(REPO_ROOT / "bench/gpu_check.py"), "--dry-run",

@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # deepspeed.initialize in a fresh process
+
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""

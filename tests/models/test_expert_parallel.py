@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # two processes under torchrun
+
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_ep_worker.py")
 

@@ -104,6 +104,7 @@ def test_balancing_decisions_record_max_vio_and_the_bias_ranges(both):
     assert decisions[0]["before"]["bias_range"] == [[0.0, 0.0], [0.0, 0.0]]
 
 
+@pytest.mark.slow  # two processes under torchrun
 def test_ep_size_2_under_torchrun_balances_and_keeps_biases_identical(tmp_path):
     from tests.train._launch import free_port, launch_env
 

@@ -21,6 +21,8 @@ from adaptive.orchestrator import POLICY_NAMES
 
 from tests.orchestrator._launch import read_records, recorded_events
 
+pytestmark = pytest.mark.slow  # two accelerate-launched training runs
+
 LOSS_TOLERANCE = 0.01  # |final loss faulty - clean|; the loss is ~7.1 and moves ~0.02-0.07 per step here
 
 

@@ -20,6 +20,8 @@ import pytest
 
 from tests.orchestrator._launch import read_records, recorded_events, run_one, start_runs
 
+pytestmark = pytest.mark.slow  # accelerate-launched training runs through the OOM ladder
+
 STEPS, BLOCK, HALF = 12, 64, 32
 OOM_AT = [3, 5, 7]
 FLAGS = ["--max-steps", str(STEPS), "--log-every", "1", "--seq-len", str(BLOCK), "--min-seq-len", str(HALF),

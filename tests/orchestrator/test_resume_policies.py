@@ -16,6 +16,8 @@ import pytest
 
 from tests.orchestrator._launch import SPECS, read_records, run_one
 
+pytestmark = pytest.mark.slow  # accelerate-launched runs, one resumed
+
 RESUME_AT = 10
 
 

@@ -15,6 +15,8 @@ from adaptive.orchestrator import OrchestratorConfig, policies
 from adaptive.train.callbacks import Callback
 from tests.orchestrator._harness import fixed_data, skewed_moe
 
+pytestmark = pytest.mark.slow  # a transformers Trainer run
+
 STEPS = 20
 
 

@@ -49,6 +49,7 @@ def test_files_that_are_not_calibrations_are_refused(tmp_path, content):
         make_request(model="debug", gpu="t4", calibrate=str(path))
 
 
-def test_a_directory_is_refused(tmp_path):
-    with pytest.raises(AdaptiveError, match="cannot read calibration file"):
+def test_a_directory_without_run_metrics_is_refused(tmp_path):
+    # a folder is now read as a run folder (--calibrate RUN_DIR); without metrics.jsonl it is refused
+    with pytest.raises(AdaptiveError, match="no metrics.jsonl in that folder"):
         make_request(model="debug", gpu="t4", calibrate=str(tmp_path))

@@ -372,6 +372,7 @@ def test_shipped_corpus_is_small_and_enough_for_debug_runs(tokenizer, datasets_c
         assert train.num_blocks >= 48 * 8 and evaluation.num_blocks >= 8
 
 
+@pytest.mark.slow  # two real processes
 def test_two_real_processes_get_disjoint_shards(tmp_path, adaptive_cache, tokenizer):
     """torchrun, two ranks over gloo: each builds its own shard; rank 0 checks what both got.
 

@@ -12,6 +12,8 @@ import pytest
 
 from tests.train._launch import REPO, accelerate_launch, driver, records, tail, train_losses
 
+pytestmark = pytest.mark.slow  # accelerate-launched runs, one killed and resumed
+
 RECIPE = REPO / "recipes" / "debug_hybrid.py"
 COMMON = ["--max-steps", "20", "--log-every", "1", "--checkpoint-every", "5", "--keep-checkpoints", "3",
           "--seq-len", "64", "--micro-batch", "2", "--grad-accum", "2", "--zero", "2", "--no-progress"]

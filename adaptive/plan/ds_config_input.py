@@ -1,0 +1,196 @@
+"""A user's DeepSpeed JSON as planner input (`adaptive fit --ds-config FILE`).
+
+Explicit values pin knobs (ZeRO stage, offload, micro-batch, accumulation, global batch) and set what
+DeepSpeed allocates from the file (bucket sizes, `overlap_comm`, the optimizer it builds). `"auto"`
+values are what accelerate/transformers fill at launch: batch sizes and accumulation are searched
+like any free knob; bucket sizes follow transformers' rule (`integrations/deepspeed.py`:
+reduce_bucket_size = hidden_size², stage3_prefetch_bucket_size = 0.9·hidden_size²). Keys DeepSpeed
+would take but the planner does not model are listed in `ignored`, never dropped silently.
+
+Defaults for keys the file leaves out are DeepSpeed 0.19's (`runtime/zero/config.py`): reduce and
+all-gather buckets 5e8 elements, `overlap_comm` off for ZeRO-1/2 and on for ZeRO-3, prefetch 5e7.
+Pure: `parse(dict)`; request.py reads the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from adaptive.errors import AdaptiveError
+
+AUTO = "auto"
+DS_DEFAULT_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size / allgather_bucket_size default
+DS_DEFAULT_PREFETCH_ELEMENTS = 50_000_000  # stage3_prefetch_bucket_size default
+
+# Top-level sections the planner reads or knowingly leaves to the launcher.
+HANDLED = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+           "zero_optimization", "optimizer", "bf16", "fp16", "gradient_clipping", "scheduler",
+           "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+           "zero_force_ds_cpu_optimizer"}
+ZERO_HANDLED = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "allgather_bucket_size",
+                "overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
+                "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
+                "round_robin_gradients", "sub_group_size"}
+
+
+@dataclass(frozen=True)
+class DsConfigInput:
+    """What a DeepSpeed JSON pins (None: free, searched) and what it sets."""
+
+    path: str
+    zero_stage: int | None
+    offload: str | None  # none | optimizer | all; None when the stage is free too
+    micro_batch_size: int | None
+    grad_accum: int | None
+    train_batch_size: int | None  # sequences, all GPUs
+    reduce_bucket_elements: int
+    allgather_bucket_elements: int
+    prefetch_bucket_elements: int
+    overlap_comm: bool | None  # None: DeepSpeed's default for the stage
+    optimizer: str | None  # optimizers.py name DeepSpeed builds from the file; None: the client's
+    precision: str | None  # bf16 | fp16 | None
+    sources: tuple[tuple[str, str], ...] = field(default=())  # (knob, "key = value" that set it)
+    ignored: tuple[str, ...] = field(default=())
+
+    def overlap_for(self, stage: int) -> bool:
+        return self.overlap_comm if self.overlap_comm is not None else stage == 3
+
+
+def _int(key: str, value: Any, auto_ok: bool = True) -> int | None:
+    if value == AUTO and auto_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or int(value) != value:
+        allowed = "a positive integer or \"auto\"" if auto_ok else "a positive integer"
+        raise AdaptiveError(f"ds_config {key} must be {allowed}, got {value!r}")
+    return int(value)
+
+
+def _enabled(section: Any) -> bool | None:
+    if not isinstance(section, dict):
+        return None
+    value = section.get("enabled", False)
+    return None if value == AUTO else bool(value)
+
+
+def parse(data: Any, path: str, hidden_size: int) -> DsConfigInput:
+    """Read a DeepSpeed config dict; AdaptiveError for values DeepSpeed itself would refuse."""
+    if not isinstance(data, dict):
+        raise AdaptiveError(f"ds_config {path!r} must hold a JSON object, got {type(data).__name__}")
+    sources: list[tuple[str, str]] = []
+    ignored = [k for k in data if k not in HANDLED]
+    zero = data.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise AdaptiveError(f"ds_config zero_optimization must be an object, got {zero!r}")
+    ignored += [f"zero_optimization.{k}" for k in zero if k not in ZERO_HANDLED]
+
+    stage = None
+    if "stage" in zero and zero["stage"] != AUTO:
+        stage = zero["stage"]
+        if stage not in (0, 1, 2, 3):
+            raise AdaptiveError(f"ds_config zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+        sources.append(("zero_stage", f"zero_optimization.stage = {stage}"))
+    elif "stage" not in zero and "zero_optimization" in data:
+        stage = 0  # DeepSpeed's default
+        sources.append(("zero_stage", "zero_optimization.stage absent: DeepSpeed's default 0"))
+
+    def device(key: str) -> str | None:
+        sec = zero.get(key)
+        if not isinstance(sec, dict):
+            return None
+        dev = sec.get("device", "none")
+        return None if dev in (None, "none") else str(dev)
+
+    off_opt, off_param = device("offload_optimizer"), device("offload_param")
+    offload = None
+    if stage is not None:
+        offload = "all" if off_param else "optimizer" if off_opt else "none"
+        if off_opt or off_param:
+            sources.append(("offload", f"zero_optimization.offload_{'param' if off_param else 'optimizer'}"
+                                       f".device = {off_param or off_opt}"))
+        for dev in (off_opt, off_param):
+            if dev == "nvme":
+                ignored.append("offload to nvme (planned as CPU offload; NVMe bandwidth not modelled)")
+
+    micro = _int("train_micro_batch_size_per_gpu", data.get("train_micro_batch_size_per_gpu", AUTO))
+    accum = _int("gradient_accumulation_steps", data.get("gradient_accumulation_steps", AUTO))
+    global_ = _int("train_batch_size", data.get("train_batch_size", AUTO))
+    for knob, key, v in (("micro_batch_size", "train_micro_batch_size_per_gpu", micro),
+                         ("grad_accum", "gradient_accumulation_steps", accum),
+                         ("global_batch", "train_batch_size", global_)):
+        if v is not None:
+            sources.append((knob, f"{key} = {v}"))
+
+    def bucket(key: str, default: int, auto_value: int) -> int:
+        if key not in zero:
+            sources.append((key, f"zero_optimization.{key} absent: DeepSpeed's default {default:.3g}"))
+            return default
+        if zero[key] == AUTO:
+            sources.append((key, f"zero_optimization.{key} = \"auto\": transformers fills {auto_value:,}"))
+            return auto_value
+        v = _int(f"zero_optimization.{key}", zero[key], auto_ok=False)
+        sources.append((key, f"zero_optimization.{key} = {v:.3g}"))
+        return v
+
+    reduce = bucket("reduce_bucket_size", DS_DEFAULT_BUCKET_ELEMENTS, hidden_size * hidden_size)
+    gather = bucket("allgather_bucket_size", DS_DEFAULT_BUCKET_ELEMENTS, DS_DEFAULT_BUCKET_ELEMENTS)
+    prefetch = bucket("stage3_prefetch_bucket_size", DS_DEFAULT_PREFETCH_ELEMENTS, int(0.9 * hidden_size**2))
+    overlap = zero.get("overlap_comm")
+    if overlap is not None:
+        overlap = bool(overlap)
+        sources.append(("overlap_comm", f"zero_optimization.overlap_comm = {str(overlap).lower()}"))
+
+    optimizer = None
+    opt = data.get("optimizer")
+    if isinstance(opt, dict):
+        kind = str(opt.get("type", "")).lower()
+        params = opt.get("params", {}) or {}
+        if kind not in ("adam", "adamw"):
+            ignored.append(f"optimizer.type {opt.get('type')!r} (planned as Adam-family states: 12 bytes/param)")
+        if params.get("torch_adam"):
+            # foreach or not: on DeepSpeed's flat fp32 partition the for-loop path's `exp_avg_sq.sqrt()` is a
+            # temporary of the same size, so both are `adamw_torch`
+            optimizer = "adamw_torch"
+            sources.append(("optimizer", "optimizer.params.torch_adam = true: torch AdamW, whose step "
+                                         "keeps an fp32 temporary per parameter"))
+        elif off_opt:
+            optimizer = "deepspeed_cpu_adam"
+            sources.append(("optimizer", f"optimizer.type = {opt.get('type')} with optimizer offload: "
+                                         "DeepSpeedCPUAdam"))
+        else:
+            optimizer = "deepspeed_fused_adam"
+            sources.append(("optimizer", f"optimizer.type = {opt.get('type')}: DeepSpeed FusedAdam"))
+
+    bf16, fp16 = _enabled(data.get("bf16")), _enabled(data.get("fp16"))
+    precision = "bf16" if bf16 else "fp16" if fp16 else None
+    return DsConfigInput(path=path, zero_stage=stage, offload=offload, micro_batch_size=micro, grad_accum=accum,
+                         train_batch_size=global_, reduce_bucket_elements=reduce, allgather_bucket_elements=gather,
+                         prefetch_bucket_elements=prefetch, overlap_comm=overlap, optimizer=optimizer,
+                         precision=precision, sources=tuple(sources), ignored=tuple(ignored))
+
+
+def drivers(ds: DsConfigInput, parts: dict[str, int], zero_stage: int) -> list[tuple[str, int, str]]:
+    """(memory part, bytes, what in the file set it) for the parts the file decides."""
+    out = []
+    src = dict(ds.sources)
+    if parts.get("comm_buckets"):
+        if zero_stage in (1, 2):
+            why = src.get("reduce_bucket_size", "")
+            copies = 2 if ds.overlap_for(zero_stage) else 1
+            why += f" x {copies} ({'double-buffered: overlap_comm on' if copies == 2 else 'overlap_comm off'})"
+        else:
+            why = f"{src.get('reduce_bucket_size', '')}; {src.get('stage3_prefetch_bucket_size', '')}"
+        out.append(("comm_buckets", parts["comm_buckets"], why))
+    if parts.get("optimizer_transient") and "optimizer" in src:
+        out.append(("optimizer_transient", parts["optimizer_transient"], src["optimizer"]))
+    for part, knob in (("optimizer", "offload"), ("grads", "offload")):
+        if knob in src and part in parts:
+            out.append((part, parts[part], src[knob]))
+    if "zero_stage" in src:
+        out.append(("model states", parts.get("params", 0) + parts.get("grads", 0) + parts.get("optimizer", 0),
+                    src["zero_stage"]))
+    return out
+
+
+__all__ = ["DsConfigInput", "parse", "drivers"]

@@ -1,0 +1,90 @@
+"""Published training runs vs `adaptive fit`: the table in docs/BENCHMARKS.md.
+
+    python bench/corpus_table.py            # markdown table on stdout
+    python bench/corpus_table.py --summary  # error summary only
+
+Every entry of adaptive/plan/corpus_runs.json is planned with the knobs its source states
+(adaptive/plan/corpus.py); each published figure is shown beside the prediction with the relative error.
+Tolerances (tests/plan/test_corpus.py): fit/OOM calls and tokens/s (+-20%) for runs of our stack's
+kind ("ours"), GPU-hours +-15% for dense models up to 13B; other stacks are shown, not held.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from adaptive.plan.corpus import (GPU_HOURS_TOLERANCE, TOKENS_PER_S_TOLERANCE, comparisons, is_dense_up_to_13b, load,
+                                  predict)
+from adaptive.plan.tight import TIGHT_MARGIN
+
+
+def setting(p) -> str:
+    s = p.plan.shown.setup
+    r = p.plan.request
+    off = "+off-all" if s.offload_params else "+off-opt" if s.offload_optimizer else ""
+    return (f"{r.world_size}x{r.gpu.name} Z{s.zero_stage}{off} mb{s.micro_batch_size}x{p.plan.shown.grad_accum} "
+            f"s{s.seq_len}{' ckpt' if s.gradient_checkpointing else ''}{' eager' if s.attention == 'eager' else ''}"
+            f"{' ' + s.optimizer if s.optimizer != 'auto' else ''}")
+
+
+def held(p, name: str) -> str:
+    kind = p.entry["stack_kind"]
+    exempt = p.entry.get("exempt", {})
+    if name == "GPU-hours" and is_dense_up_to_13b(p.entry):
+        return "exempt" if "gpu_hours" in exempt else f"+-{GPU_HOURS_TOLERANCE:.0%}"
+    if name == "tokens/s per GPU" and kind == "ours":
+        return f"+-{TOKENS_PER_S_TOLERANCE:.0%}"
+    if name == "peak GiB" and kind == "ours":
+        return "exempt" if "peak" in exempt else "sets margin"
+    return "shown"
+
+
+def fmt(v: float) -> str:
+    return f"{v:,.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def main() -> None:
+    preds = [predict(e) for e in load()]
+    summary_only = "--summary" in sys.argv
+    if not summary_only:
+        print("| run | source | stack | setting planned | call: published / predicted | figure | published | "
+              "predicted | error | held to |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+    calls_ok = calls = 0
+    errs: dict[str, list[float]] = {}
+    for p in preds:
+        o = p.entry["outcome"]
+        call = ""
+        if "ran" in o:
+            pub = "ran" if o["ran"] else "OOM"
+            pred = "fits" + (" (tight)" if p.plan.tight else "") if p.fits else "OOM"
+            ok = o["ran"] == p.fits
+            call = f"{pub} / {pred} {'ok' if ok else 'WRONG'}"
+            if p.entry["stack_kind"] == "ours":
+                calls += 1
+                calls_ok += ok
+        rows = comparisons(p) or [("-", None, None, None)]
+        for i, (name, pub_v, pred_v, err) in enumerate(rows):
+            if err is not None:
+                errs.setdefault(f"{p.entry['stack_kind']} {name}", []).append(err)
+            if summary_only:
+                continue
+            first = i == 0
+            cells = [p.id if first else "", p.entry["source"] if first else "",
+                     p.entry["stack_kind"] + ": " + p.entry["stack"] if first else "", setting(p) if first else "",
+                     call if first else "", name, fmt(pub_v) if pub_v is not None else "",
+                     fmt(pred_v) if pred_v is not None else "", f"{err:+.1%}" if err is not None else "",
+                     held(p, name) if err is not None else ""]
+            print("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    print()
+    print(f"Fit/OOM calls on runs of our stack's kind: {calls_ok}/{calls} right. Tight margin: {TIGHT_MARGIN:.0%}.")
+    print()
+    print("| stack kind, figure | entries | median error | largest abs error |")
+    print("|---|---|---|---|")
+    for key in sorted(errs):
+        e = sorted(errs[key])
+        print(f"| {key} | {len(e)} | {e[len(e) // 2]:+.1%} | {max(e, key=abs):+.1%} |")
+
+
+if __name__ == "__main__":
+    main()
