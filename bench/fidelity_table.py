@@ -23,7 +23,7 @@ GiB = 2**30
 
 def predicted(spec, seq, micro, ckpt, zero):
     est = estimate_memory(TrainSetup(spec, seq, micro, zero, False, False, ckpt))
-    return est.parts["activations"] + est.parts["logits_and_loss"], est.allocated_peak_bytes - est.parts["comm_buckets"]
+    return est.saved_bytes, est.allocated_peak_bytes - est.parts["comm_buckets"]
 
 
 def main() -> None:

@@ -156,8 +156,10 @@ def transformers_class_builds(spec: ModelSpec, hf_config: dict | None) -> bool:
 
 
 def build_model(spec: ModelSpec, hf_config: dict | None, dtype: torch.dtype, checkpointing: bool,
-                attn_implementation: str = "sdpa", capacity_factor: float = 1.0) -> torch.nn.Module:
-    """Our model class for presets, our exports and our variants; transformers' class for other HF configs."""
+                attn_implementation: str = "sdpa", capacity_factor: float = 1.0,
+                kernels: str = "lean") -> torch.nn.Module:
+    """Our model class for presets, our exports and our variants (with `kernels`); transformers' class
+    for other HF configs (its own ops: what "plain" counts)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -179,6 +181,7 @@ def build_model(spec: ModelSpec, hf_config: dict | None, dtype: torch.dtype, che
             from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
 
             overrides = {"capacity_factor": capacity_factor} if spec.is_moe else {}
+            overrides["kernels"] = kernels
             model = AdaptiveForCausalLM(AdaptiveConfig.from_spec(spec, **overrides))
     finally:
         torch.set_default_dtype(previous)
@@ -234,12 +237,13 @@ def _move_grad_into(buffer: torch.Tensor):
 
 def run_phases(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool, *, zero_stage: int = 0,
                dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int | tuple[int, ...] = 0,
-               capacity_factor: float = 1.0) -> Phases:
+               capacity_factor: float = 1.0, kernels: str = "lean") -> Phases:
     """Two training steps on fake tensors; the second (optimizer states exist by then) is measured."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         tracker = PeakBytes()
         with tracker:
-            model = build_model(spec, hf_config, DTYPES[dtype], checkpointing, capacity_factor=capacity_factor)
+            model = build_model(spec, hf_config, DTYPES[dtype], checkpointing, capacity_factor=capacity_factor,
+                                kernels=kernels)
             optimizer = EmulatedZeroOptimizer(model, zero_stage, bucket_elements)
             ids = torch.randint(0, spec.vocab_size, (micro_batch, seq_len))
             saved: dict = {}
@@ -287,17 +291,19 @@ def pattern_period(spec: ModelSpec, hf_config: dict | None) -> int:
 
 def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool, *, zero_stage: int = 0,
                  dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int | tuple[int, ...] = 0,
-                 full_depth: bool = False, capacity_factor: float = 1.0) -> Measurement:
-    """Measure at full depth, or at two depths (2 and 4 repeats of the layer pattern) extrapolated."""
+                 full_depth: bool = False, capacity_factor: float = 1.0, kernels: str = "lean") -> Measurement:
+    """Measure at full depth, or at two depths (2 and 4 repeats of the layer pattern) extrapolated.
+    `kernels` applies to our class; transformers' classes run their own (plain) ops."""
     if not transformers_class_builds(spec, hf_config):
         hf_config = None  # our class, built from the spec
     kw = dict(zero_stage=zero_stage, dtype=dtype, hf_config=hf_config, bucket_elements=bucket_elements,
-              capacity_factor=capacity_factor)
+              capacity_factor=capacity_factor, kernels=kernels)
     total = spec.num_hidden_layers
     period = pattern_period(spec, hf_config)
     d1, d2 = 2 * period, 4 * period
     name = hf_config["model_type"] if hf_config and hf_config.get("model_type") != "adaptive" else "adaptive"
-    what = (f"the {name} model class on fake tensors (no memory), {dtype}, micro-batch {micro_batch} x "
+    ops = f" with {kernels} kernels" if name == "adaptive" else ""
+    what = (f"the {name} model class{ops} on fake tensors (no memory), {dtype}, micro-batch {micro_batch} x "
             f"sequence {seq_len}{', full activation checkpointing' if checkpointing else ''}"
             f"{f', MoE capacity factor {capacity_factor:g}' if spec.is_moe and hf_config is None else ''}"
             f"{f', MoD capacity {spec.mod_capacity:g}' if spec.is_mod else ''}: two training steps "

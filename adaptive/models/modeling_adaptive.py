@@ -25,6 +25,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 
 from adaptive.errors import AdaptiveError
 from adaptive.models.configuration_adaptive import AdaptiveConfig
+from adaptive.models.lean import LeanLMHead, LeanSwiGLUDown, lean_causal_lm_loss, rms_norm
 from adaptive.models.mod import (
     MoDRouter,
     MoDStats,
@@ -40,12 +41,17 @@ logger = logging.get_logger(__name__)
 
 
 class AdaptiveRMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+    """`lean`: the same values through `lean.RMSNormFunction`, which saves x and 1/rms only."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, lean: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
+        self.lean = lean
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.lean:
+            return rms_norm(hidden_states, self.weight, self.variance_epsilon)
         dtype = hidden_states.dtype
         hidden_states = hidden_states.float()
         hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
@@ -89,16 +95,21 @@ def apply_rotary_pos_emb(q, k, cos, sin):
 
 
 class AdaptiveMLP(nn.Module):
-    """SwiGLU. Also the expert module of the MoE blocks."""
+    """SwiGLU. Also the expert module of the MoE blocks. `lean` (silu only): the down projection
+    recomputes silu(gate) * up in backward instead of keeping it (`lean.SwiGLUDownFunction`)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu"):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu",
+                 lean: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = LeanSwiGLUDown(intermediate_size, hidden_size, bias=bias)
         self.act_fn = ACT2FN[act]
+        self.lean = lean and act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lean:
+            return self.down_proj(self.gate_proj(x), self.up_proj(x))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -190,11 +201,13 @@ class LayerOutput(NamedTuple):
 
 
 def build_mlp(config: AdaptiveConfig, layer_type: str) -> nn.Module:
+    lean = config.kernels == "lean"
     if layer_type not in ("moe", "hybrid"):
-        return AdaptiveMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act)
+        return AdaptiveMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act, lean)
 
     def make_expert() -> AdaptiveMLP:
-        return AdaptiveMLP(config.hidden_size, config.moe_intermediate_size, config.mlp_bias, config.hidden_act)
+        return AdaptiveMLP(config.hidden_size, config.moe_intermediate_size, config.mlp_bias, config.hidden_act,
+                           lean)
 
     knobs = dict(
         capacity_factor=config.capacity_factor, eval_capacity_factor=config.eval_capacity_factor,
@@ -219,8 +232,9 @@ class AdaptiveDecoderLayer(GradientCheckpointingLayer):
         self.layer_type = config.block_types[layer_idx]
         self.self_attn = AdaptiveAttention(config, layer_idx)
         self.mlp = build_mlp(config, self.layer_type)
-        self.input_layernorm = AdaptiveRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = AdaptiveRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        lean = config.kernels == "lean"
+        self.input_layernorm = AdaptiveRMSNorm(config.hidden_size, eps=config.rms_norm_eps, lean=lean)
+        self.post_attention_layernorm = AdaptiveRMSNorm(config.hidden_size, eps=config.rms_norm_eps, lean=lean)
         self.is_moe = self.layer_type in ("moe", "hybrid")
         routed = self.layer_type in ("mod", "hybrid")
         self.mod = MoDRouter(config.hidden_size, config.mod_predictor_hidden_size) if routed else None
@@ -464,7 +478,7 @@ class AdaptiveModel(AdaptivePreTrainedModel):
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([AdaptiveDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = AdaptiveRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = AdaptiveRMSNorm(config.hidden_size, eps=config.rms_norm_eps, lean=config.kernels == "lean")
         self.rotary_emb = AdaptiveRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()
@@ -563,7 +577,7 @@ class AdaptiveForCausalLM(AdaptivePreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = AdaptiveModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LeanLMHead(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -583,18 +597,27 @@ class AdaptiveForCausalLM(AdaptivePreTrainedModel, GenerationMixin):
         output_router_logits: bool | None = None,
         **kwargs,
     ) -> AdaptiveCausalLMOutputWithPast:
-        """`labels` are the input ids (not shifted): the loss shifts them once, as in transformers."""
+        """`labels` are the input ids (not shifted): the loss shifts them once, as in transformers.
+
+        In training with labels and `config.kernels == "lean"`, the loss goes through the chunked LM
+        head (`lean.ChunkedLMLossFunction`) and `logits` is None (as Liger-Kernel's fused loss does):
+        the full logits are never built. Evaluation, generation and `kernels="plain"` return logits.
+        """
         outputs: AdaptiveModelOutputWithPast = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
             output_attentions=output_attentions, output_router_logits=output_router_logits, **kwargs,
         )
-        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-            if outputs.aux_loss is not None:
-                loss = loss + outputs.aux_loss.to(loss.device)
+        loss = logits = None
+        if labels is not None and self._lean_loss(logits_to_keep, kwargs):
+            loss = lean_causal_lm_loss(self.lm_head, outputs.last_hidden_state, labels,
+                                       kwargs.get("num_items_in_batch"))
+        else:
+            logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+            if labels is not None:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        if loss is not None and outputs.aux_loss is not None:
+            loss = loss + outputs.aux_loss.to(loss.device)
         return AdaptiveCausalLMOutputWithPast(
             loss=loss,
             aux_loss=outputs.aux_loss,
@@ -605,6 +628,13 @@ class AdaptiveForCausalLM(AdaptivePreTrainedModel, GenerationMixin):
             router_stats=outputs.router_stats,
             router_logits=outputs.router_logits,
         )
+
+    def _lean_loss(self, logits_to_keep, loss_kwargs: dict) -> bool:
+        """The chunked loss: lean kernels, training, all positions, labels shifted by us, and our head
+        (a resized vocabulary gets transformers' plain nn.Linear)."""
+        return (self.config.kernels == "lean" and self.training and isinstance(logits_to_keep, int)
+                and logits_to_keep == 0 and "shift_labels" not in loss_kwargs
+                and isinstance(self.lm_head, LeanLMHead))
 
 
 __all__ = [

@@ -10,7 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from adaptive.plan.activations import activation_bytes, backward_peak_bytes
+from adaptive.plan.activations import (
+    activation_bytes,
+    backward_peak_bytes,
+    loss_saved_bytes_per_token,
+    loss_working_bytes,
+)
 from adaptive.plan.calibration import Calibration
 from adaptive.plan.params import ParamCounts, count_params
 from adaptive.plan.presets import ModelSpec
@@ -49,6 +54,7 @@ class TrainSetup:
     bytes_per_param: int = 2  # bf16 or fp16 weights and activations
     calibration: Calibration | None = None  # measured activations replace the formula
     gradient_accumulation_steps: int = 1  # ZeRO-0/1 hold every 16-bit gradient between boundaries
+    kernels: str = "lean"  # adaptive's lean blocks, or "plain" (transformers' Llama ops): activations.py
 
     @property
     def world_size(self) -> int:
@@ -75,6 +81,7 @@ class MemoryEstimate:
     step_bytes: int  # on top of persistent during the optimizer step
     peak_gpu_bytes: int  # persistent + max(backward, step) + fragmentation + CUDA context
     host_bytes_per_node: int  # CPU RAM the offloaded states need on each node (0 without offload)
+    saved_bytes: int = 0  # what autograd holds at the end of forward (plain: the log-softmax included)
 
     @property
     def peak_phase(self) -> str:
@@ -182,13 +189,21 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
         saved = setup.calibration.activation_bytes(tokens, ckpt)
         backward_peak = setup.calibration.backward_bytes(tokens, ckpt)
     else:
-        saved = activation_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, ckpt, setup.capacity_factor)
+        saved = activation_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, ckpt, setup.capacity_factor,
+                                 setup.kernels)
         backward_peak = backward_peak_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, ckpt,
-                                            setup.capacity_factor)
-    log_softmax = min(saved, tokens * setup.spec.vocab_size * 4)
-    parts["activations"] = saved - log_softmax
-    parts["logits_and_loss"] = log_softmax  # the loss keeps its fp32 log-softmax for backward
-    parts["backward_transient"] = backward_peak - saved
+                                            setup.capacity_factor, setup.kernels)
+    if setup.kernels == "plain":
+        # the loss keeps its fp32 log-softmax for backward; its backward working set is in the transient
+        loss = min(saved, tokens * loss_saved_bytes_per_token(setup.spec, "plain"))
+        parts["activations"] = saved - loss
+    else:
+        # the chunked loss keeps nothing vocabulary-wide: its part is its backward working set (a tile of
+        # logits, the head's input and weight gradients); the transient is what a layer's backward adds
+        loss = min(backward_peak - saved, loss_working_bytes(setup.spec, tokens, "lean"))
+        parts["activations"] = saved
+    parts["logits_and_loss"] = loss
+    parts["backward_transient"] = backward_peak - parts["activations"] - loss
     parts["comm_buckets"] = comm_buffer_bytes(setup, counts)
 
     # Which gradient bytes persist: ZeRO-1/2 keep a 16-bit partition buffer between steps and build
@@ -218,4 +233,4 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
     return MemoryEstimate(parts=parts, persistent_bytes=int(persistent), backward_bytes=int(backward),
                           step_bytes=int(step),
                           peak_gpu_bytes=int(allocated + parts["fragmentation"] + parts["cuda_context"]),
-                          host_bytes_per_node=host_bytes_per_node(setup, counts))
+                          host_bytes_per_node=host_bytes_per_node(setup, counts), saved_bytes=int(saved))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from adaptive.errors import AdaptiveError, require_positive
+from adaptive.errors import AdaptiveError, closest, require_positive
+from adaptive.plan.activations import KERNELS
 from adaptive.plan.advice import OrchestratorAdvice, orchestrator_advice
 from adaptive.plan.calibration import Calibration
 from adaptive.plan.gpus import CATALOG, GPU
@@ -45,6 +46,7 @@ class FitRequest:
     mfu: float | None = None
     host_mem_bytes: int | None = None  # per node; default: 3x the node's GPU memory
     calibration: Calibration | None = None  # measured activations (adaptive measure --save-calibration)
+    kernels: str = "lean"  # lean: adaptive's models; plain: transformers' Llama-style ops (activations.py)
 
     @property
     def world_size(self) -> int:
@@ -139,6 +141,10 @@ def validate(req: FitRequest) -> None:
         raise AdaptiveError(f"--offload all offloads parameters, which needs ZeRO-3, not --zero {req.zero_stage}")
     if req.offload in ("optimizer", "all") and req.zero_stage == 0:
         raise AdaptiveError("--offload needs ZeRO stage 1 or higher; --zero 0 has no partitioned optimizer")
+    if req.kernels not in KERNELS:
+        near = closest(req.kernels, KERNELS)
+        raise AdaptiveError(f"--kernels must be one of {', '.join(KERNELS)}, got {req.kernels!r}"
+                            + (f"; did you mean {near}?" if near else ""))
     if req.min_seq_len is not None and req.min_seq_len > req.seq_len:
         raise AdaptiveError(f"--min-seq-len ({req.min_seq_len}) must not exceed --seq-len ({req.seq_len})")
     if req.seq_len > req.spec.max_position_embeddings * 8:
@@ -246,7 +252,7 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
                        offload_optimizer=offload in ("optimizer", "all"), offload_params=offload == "all",
                        gradient_checkpointing=ckpt, gpus_per_node=req.gpus_per_node, num_nodes=req.num_nodes,
                        ep_size=ep, capacity_factor=req.capacity_factor, calibration=req.calibration,
-                       gradient_accumulation_steps=accum)
+                       gradient_accumulation_steps=accum, kernels=req.kernels)
     mem = estimate_memory(setup)
     tp = estimate_throughput(setup, req.gpu, accum, req.mfu)
     return Candidate(setup=setup, memory=mem, throughput=tp,

@@ -7,7 +7,7 @@ from dataclasses import replace
 from adaptive.errors import AdaptiveError, require_positive
 from adaptive.plan.calibration import load as load_calibration
 from adaptive.plan.gpus import GiB, GPU, custom_gpu, get_gpu
-from adaptive.plan.hf_config import looks_like_path, spec_from_hf_config
+from adaptive.plan.hf_config import default_kernels, looks_like_path, spec_from_hf_config
 from adaptive.plan.planner import FitRequest
 from adaptive.plan.presets import ModelSpec, preset_spec
 
@@ -43,7 +43,8 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
                  capacity_factor: float = 1.0, mod_capacity: float | None = None, mfu: float | None = None,
                  price: float | None = None, host_mem_gib: float | None = None,
                  gpu_mem_gib: float | None = None, gpu_tflops: float | None = None,
-                 calibrate: str | None = None) -> FitRequest:
+                 calibrate: str | None = None, kernels: str | None = None) -> FitRequest:
+    """`kernels` None: "lean" for adaptive's models, "plain" for a config.json transformers' class trains."""
     require_positive("--host-mem", host_mem_gib)
     spec = resolve_model(model, arch, mod_capacity)
     return FitRequest(
@@ -55,4 +56,5 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         ep_size=ep_size, capacity_factor=capacity_factor, mfu=mfu,
         host_mem_bytes=int(host_mem_gib * GiB) if host_mem_gib is not None else None,
         calibration=load_calibration(calibrate, spec, capacity_factor) if calibrate else None,
+        kernels=kernels or default_kernels(spec),
     )
