@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/bench_models.py            # full run, about 40 s on 2 cores
     PYTHONPATH=. python bench/bench_models.py --quick    # smoke run
+    PYTHONPATH=. python bench/bench_models.py --kernels-only   # lean vs plain kernels only
 
 Shape: hidden 256, 8 layers, GQA 8/2 heads, SwiGLU 2.75x, vocab 2048, batch 4 x seq 512. The ratios that
 matter are b1's: attention is ~20% of a layer's FLOPs at seq = hidden, the LM head ~6% of the model.
@@ -13,7 +14,9 @@ Prints:
 - MoD (capacity 0.5) vs dense;
 - native MoE (8 experts, top-2, every layer) vs a dense model with the same active parameters; target <= 1.3x;
 - our native MoE block vs transformers' MixtralSparseMoeBlock with the same weights (outputs checked equal
-  first); target: not slower.
+  first); target: not slower;
+- lean kernels (the default: adaptive/models/lean.py) vs plain kernels (transformers' Llama ops), dense and
+  MoE; target <= 1.10x.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--quick", action="store_true", help="2 repeats, seq 128")
+    parser.add_argument("--kernels-only", action="store_true", help="only lean vs plain kernels")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.seq = 2, 128
@@ -100,12 +104,28 @@ def main() -> None:
 
     models = {
         "dense": build("dense"),
-        "mod_0.125": build("mod", mod_capacity=0.125),
-        "mod_0.5": build("mod", mod_capacity=0.5),
+        "dense_plain": build("dense", kernels="plain"),
         "moe_native": build("moe"),
-        "dense_same_active": build("dense", intermediate_size=2 * 704),
+        "moe_native_plain": build("moe", kernels="plain"),
     }
+    if not args.kernels_only:
+        models.update({
+            "mod_0.125": build("mod", mod_capacity=0.125),
+            "mod_0.5": build("mod", mod_capacity=0.5),
+            "dense_same_active": build("dense", intermediate_size=2 * 704),
+        })
     times = time_interleaved({name: (lambda m=m: lm_step(m, ids)) for name, m in models.items()}, args.repeats)
+    kernel_rows = [
+        ("dense: lean kernels / plain kernels", times["dense"] / times["dense_plain"], "<= 1.10"),
+        ("native MoE: lean kernels / plain kernels", times["moe_native"] / times["moe_native_plain"], "<= 1.10"),
+    ]
+    if args.kernels_only:
+        print(f"CPU, {args.threads} threads, batch {args.batch} x seq {args.seq}, median of {args.repeats} fwd+bwd steps")
+        for name, seconds in times.items():
+            print(f"  {name:<20} {seconds * 1e3:8.1f} ms/step")
+        for name, ratio, target in kernel_rows:
+            print(f"{name:<45} {ratio:6.3f}x   target {target}")
+        return
 
     ours = build("moe", drop_tokens=False).model.layers[0].mlp.train()
     theirs = mixtral_twin(ours)
@@ -127,7 +147,7 @@ def main() -> None:
           f"{SHAPE['num_hidden_layers']} layers, median of {args.repeats} fwd+bwd steps")
     for name, seconds in times.items():
         print(f"  {name:<20} {seconds * 1e3:8.1f} ms/step")
-    rows = [
+    rows = kernel_rows + [
         ("MoD 0.125 (every other block) / dense", times["mod_0.125"] / times["dense"], "<= 0.65 (ideal ~0.56)"),
         ("MoD 0.5 / dense", times["mod_0.5"] / times["dense"], "report"),
         ("native MoE 8x top-2 / dense same active", times["moe_native"] / times["dense_same_active"], "<= 1.3"),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -238,6 +239,7 @@ class AdaptiveDecoderLayer(GradientCheckpointingLayer):
         self.is_moe = self.layer_type in ("moe", "hybrid")
         routed = self.layer_type in ("mod", "hybrid")
         self.mod = MoDRouter(config.hidden_size, config.mod_predictor_hidden_size) if routed else None
+        self.checkpoint_mlp = False  # selective checkpointing: recompute the MLP half (checkpointing.py)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -265,13 +267,19 @@ class AdaptiveDecoderLayer(GradientCheckpointingLayer):
         attn, weights = self.self_attn(
             self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, routed, **kwargs
         )
-        mlp_in = self.post_attention_layernorm(hidden_states + attn)
-        moe = None
-        if self.is_moe:
-            mlp_out, moe = self.mlp(mlp_in, used)
+        if self.checkpoint_mlp and self.training and torch.is_grad_enabled():
+            # keeps only the MLP half's input; its norm and MLP (or MoE) run again in backward
+            mlp_out, moe = torch.utils.checkpoint.checkpoint(self._mlp_half, hidden_states + attn, used,
+                                                             use_reentrant=False)
         else:
-            mlp_out = self.mlp(mlp_in)
+            mlp_out, moe = self._mlp_half(hidden_states + attn, used)
         return attn + mlp_out, moe, weights
+
+    def _mlp_half(self, residual: torch.Tensor, used: torch.Tensor | None):
+        mlp_in = self.post_attention_layernorm(residual)
+        if self.is_moe:
+            return self.mlp(mlp_in, used)
+        return self.mlp(mlp_in), None
 
     def _expert_parallel_group(self):
         """The EP group of a hybrid layer's DeepSpeed MoE (ep_size > 1), else None."""

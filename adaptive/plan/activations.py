@@ -27,6 +27,24 @@ KERNELS = ("lean", "plain")  # lean: adaptive/models/lean.py's blocks; plain: tr
 LOSS_CHUNK_ELEMENTS = 2**24  # logits per tile of the lean loss: 16M (fp32: 64 MiB), a tile fills a GPU
 
 
+# Activation checkpointing (torchtitan's choices): "off"; "full" (every block keeps only its input);
+# "every:N" (every N-th block, 0, N, 2N, ..., keeps only its input, the others keep everything, as
+# transformers' `every_n_layers`); "mlp" (every block keeps its attention half and recomputes its MLP half
+# from the half's input). "selective" in a request means: let the planner pick among SELECTIVE_POLICIES.
+CHECKPOINTING = ("off", "selective", "full")
+SELECTIVE_POLICIES = ("mlp", "every:2", "every:4")
+
+
+def parse_checkpoint_policy(policy: str) -> tuple[str, int]:
+    """("off" | "full" | "every" | "mlp", N); ValueError on anything else."""
+    if policy in ("off", "full", "mlp"):
+        return policy, 1
+    if policy.startswith("every:") and policy[6:].isdigit() and int(policy[6:]) >= 1:
+        n = int(policy[6:])
+        return ("full", 1) if n == 1 else ("every", n)
+    raise ValueError(f"checkpointing policy must be off, full, mlp or every:N (N >= 1), got {policy!r}")
+
+
 def loss_chunk_tokens(vocab_size: int) -> int:
     """Tokens per tile of the lean chunked cross-entropy (adaptive/models/lean.py uses this too)."""
     return max(1, LOSS_CHUNK_ELEMENTS // vocab_size)
