@@ -60,6 +60,12 @@ def fit(
     gpu_tflops: GpuTflops = None,
     calibrate: Annotated[Optional[str], typer.Option(
         help="Plan with measured activations from `adaptive measure --save-calibration FILE`.")] = None,
+    checkpoint_policy: Annotated[Optional[str], typer.Option(
+        help="Pin activation checkpointing: off, selective (the planner picks mlp or every:N), full, or a "
+             "policy: mlp (recompute each block's MLP half), every:N (every N-th block).")] = None,
+    kernels: Annotated[Optional[str], typer.Option(
+        help="lean (adaptive's memory-lean blocks) or plain (transformers' ops); default: lean, plain for "
+             "a config.json that transformers' own class trains.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Write ds_config.json, accelerate_config.yaml, plan.json here.")] = None,
     json_output: Json = False,
 ) -> None:
@@ -70,7 +76,7 @@ def fit(
         offload=offload.value if offload else None, micro_batch=micro_batch, grad_accum=grad_accum,
         checkpointing=checkpointing, ep_size=ep_size, capacity_factor=capacity_factor,
         mod_capacity=mod_capacity, mfu=mfu, price=price, host_mem_gib=host_mem, gpu_mem_gib=gpu_mem,
-        gpu_tflops=gpu_tflops, calibrate=calibrate)
+        gpu_tflops=gpu_tflops, calibrate=calibrate, checkpoint_policy=checkpoint_policy, kernels=kernels)
     plan = plan_fit(request)
     files = write_plan_files(plan, out) if out else None
     if json_output:

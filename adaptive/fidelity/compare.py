@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from adaptive.fidelity.measure import Measurement, measure_step, transformers_class_builds
+from adaptive.fidelity.measure import Measurement, checkpoint_policy, measure_step, transformers_class_builds
 from adaptive.plan.hf_config import looks_like_path, read_config_json
 from adaptive.plan.memory import STAGE3_PREFETCH_ELEMENTS, TrainSetup, estimate_memory, reduce_bucket_elements
 from adaptive.plan.params import count_params
@@ -33,17 +33,19 @@ class FidelityReport:
         return max(self.parts, key=lambda p: abs(p.error))
 
 
-def setup_for(request: FitRequest, zero_stage: int, micro_batch: int, checkpointing: bool,
+def setup_for(request: FitRequest, zero_stage: int, micro_batch: int, checkpointing: bool | str,
               kernels: str | None = None) -> TrainSetup:
     """One GPU's setup: measurements run one process, so ZeRO partitions over one GPU."""
+    policy = checkpoint_policy(checkpointing)
     return TrainSetup(spec=request.spec, seq_len=request.seq_len, micro_batch_size=micro_batch,
                       zero_stage=zero_stage, offload_optimizer=False, offload_params=False,
-                      gradient_checkpointing=checkpointing, capacity_factor=request.capacity_factor,
-                      kernels=kernels or request.kernels)
+                      gradient_checkpointing=policy == "full", capacity_factor=request.capacity_factor,
+                      kernels=kernels or request.kernels,
+                      checkpoint_policy=None if policy in ("off", "full") else policy)
 
 
 def compare(request: FitRequest, model_arg: str, *, zero_stage: int = 0, micro_batch: int = 1,
-            checkpointing: bool = False, full_depth: bool = False) -> FidelityReport:
+            checkpointing: bool | str = False, full_depth: bool = False) -> FidelityReport:
     """Measure `request`'s model at the given settings and compare with `estimate_memory`."""
     hf_config = read_config_json(model_arg) if looks_like_path(model_arg) else None
     # transformers' classes run their own (plain) ops whatever the request says
@@ -89,6 +91,7 @@ def report_dict(report: FidelityReport) -> dict:
         "seq_len": s.seq_len,
         "micro_batch_size": s.micro_batch_size,
         "gradient_checkpointing": s.gradient_checkpointing,
+        "checkpointing": s.checkpointing,
         "zero_stage": s.zero_stage,
         "kernels": s.kernels,
         "method": report.measurement.method,

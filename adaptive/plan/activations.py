@@ -32,7 +32,7 @@ LOSS_CHUNK_ELEMENTS = 2**24  # logits per tile of the lean loss: 16M (fp32: 64 M
 # transformers' `every_n_layers`); "mlp" (every block keeps its attention half and recomputes its MLP half
 # from the half's input). "selective" in a request means: let the planner pick among SELECTIVE_POLICIES.
 CHECKPOINTING = ("off", "selective", "full")
-SELECTIVE_POLICIES = ("mlp", "every:2", "every:4")
+SELECTIVE_POLICIES = ("every:4", "every:2", "mlp")  # least recompute first, the OOM ladder's order
 
 
 def parse_checkpoint_policy(policy: str) -> tuple[str, int]:
@@ -136,12 +136,49 @@ def head_bytes(s: ModelSpec, seq_len: int, micro_batch: int, kernels: str = "lea
     return tokens * per_token + (4 * s.head_dim * seq_len if rope else 0)
 
 
-@lru_cache(maxsize=4096)
-def activation_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool,
-                     capacity_factor: float = 1.0, kernels: str = "lean") -> int:
-    """Bytes autograd holds at the end of the forward pass (the loss's own included)."""
+def mlp_checkpointed_layer_bytes(s: ModelSpec, layer_type: str, seq_len: int, micro_batch: int,
+                                 capacity_factor: float, kernels: str = "lean") -> float:
+    """A layer under the "mlp" policy: its attention half, and the MLP half's input (2h) for the recompute;
+    a routed layer adds its routing bytes over the selected tokens' block."""
     tokens = seq_len * micro_batch
-    if checkpointing:
+    block = attention_half_bytes(s, kernels) + 2 * s.hidden_size
+    if layer_type in ("dense", "moe"):
+        return tokens * block
+    selected = micro_batch * mod_selected(s, seq_len)
+    routing = tokens * (2 * s.hidden_size + 10) + selected * (4 * s.head_dim + 18 + 2 * s.hidden_size)
+    return routing + selected * block
+
+
+def _policy(checkpointing: bool | str) -> tuple[str, int]:
+    if isinstance(checkpointing, bool):
+        return ("full", 1) if checkpointing else ("off", 1)
+    return parse_checkpoint_policy(checkpointing)
+
+
+def checkpointed_layers(s: ModelSpec, checkpointing: bool | str) -> tuple[bool, ...]:
+    """Per layer: does it keep only its input (full / every:N)?"""
+    kind, n = _policy(checkpointing)
+    return tuple(kind == "full" or (kind == "every" and i % n == 0) for i in range(len(s.layer_types)))
+
+
+@lru_cache(maxsize=4096)
+def activation_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
+                     capacity_factor: float = 1.0, kernels: str = "lean") -> int:
+    """Bytes autograd holds at the end of the forward pass (the loss's own included). `checkpointing`:
+    False/True (off/full) or a policy ("off", "full", "every:N", "mlp")."""
+    tokens = seq_len * micro_batch
+    kind, _ = _policy(checkpointing)
+    if kind == "mlp":
+        layers = sum(mlp_checkpointed_layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels)
+                     for t in s.layer_types)
+        return int(layers + head_bytes(s, seq_len, micro_batch, kernels))
+    if kind == "every":
+        kept = checkpointed_layers(s, checkpointing)
+        layers = sum(tokens * 2 * s.hidden_size if ckpt else
+                     layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels)
+                     for t, ckpt in zip(s.layer_types, kept))
+        return int(layers + head_bytes(s, seq_len, micro_batch, kernels))
+    if kind == "full":
         # full checkpointing keeps each layer's input only; RoPE tables are recomputed with the layer
         layers = len(s.layer_types) * tokens * 2 * s.hidden_size
         return int(layers + head_bytes(s, seq_len, micro_batch, kernels, rope=False))
@@ -172,7 +209,7 @@ def moe_backward_bytes(s: ModelSpec, tokens: int, capacity_factor: float) -> flo
     return 2.8 * tokens * s.hidden_size + 5.6 * slots * s.hidden_size
 
 
-def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool,
+def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
                         capacity_factor: float = 1.0, kernels: str = "lean") -> int:
     """Activation-side bytes at the peak of backward: saved tensors plus the working set.
 
@@ -180,26 +217,54 @@ def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpoint
     saved. An MoE layer's backward can exceed that (`moe_backward_bytes`); by then the plain loss's
     log-softmax is freed but 6.5 bytes per logit of its backward remain (lean: the 2h-per-token gradient
     of the hidden states). With checkpointing a layer's recomputed activations and their gradients come on
-    top of the kept layer inputs (dense: its saved bytes + 8h + 2.5f per token).
+    top of the kept layer inputs (dense: its saved bytes + 8h + 2.5f per token). Under "every:N" that
+    recompute happens at the topmost checkpointed layer, with the layers above it already freed; under
+    "mlp" each layer recomputes its MLP half (dense: its norm and SwiGLU bytes + 8h + 2.5f per token).
     """
     tokens = seq_len * micro_batch
     saved = activation_bytes(s, seq_len, micro_batch, checkpointing, capacity_factor, kernels)
     loss_peak = saved + loss_working_bytes(s, tokens, kernels)
     selected = micro_batch * mod_selected(s, seq_len)
 
-    def working(layer_type: str) -> float:
+    kind, _ = _policy(checkpointing)
+
+    def working(layer_type: str, recomputed: bool = kind == "full") -> float:
         if layer_type == "moe":
             return moe_backward_bytes(s, tokens, capacity_factor)
         if layer_type == "hybrid":
             return moe_backward_bytes(s, selected, capacity_factor)
         f = s.intermediate_size
-        return tokens * (8 * s.hidden_size + 2.5 * f) if checkpointing else 0.0
+        return tokens * (8 * s.hidden_size + 2.5 * f) if recomputed else 0.0
 
     types = set(s.layer_types)
-    if not checkpointing:
-        left = tokens * (6.5 * s.vocab_size if kernels == "plain" else 2 * s.hidden_size)
+    left = tokens * (6.5 * s.vocab_size if kernels == "plain" else 2 * s.hidden_size)
+    if kind == "off":
         layer_peak = saved + left + max(working(t) for t in types)
         return int(max(loss_peak, layer_peak))
+    if kind == "mlp":
+        def half(t: str) -> float:  # the recomputed MLP half (dense: norm + SwiGLU) and its working set
+            n = tokens if t in ("dense", "moe") else selected
+            if t in ("dense", "mod"):
+                return n * (norm_bytes(s.hidden_size, kernels) + swiglu_bytes(s.intermediate_size, kernels)
+                            + 8 * s.hidden_size + 2.5 * s.intermediate_size)
+            full = layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels)
+            return full - mlp_checkpointed_layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels) + \
+                moe_backward_bytes(s, n, capacity_factor)
+        return int(max(loss_peak, saved + left + max(half(t) for t in types)))
+    if kind == "every":
+        kept = checkpointed_layers(s, checkpointing)
+        peak = saved + left + max((working(t, False) for t, ckpt in zip(s.layer_types, kept) if not ckpt),
+                                  default=0.0)
+        above = 0.0  # saved bytes of the layers above, freed by the time a layer's backward runs
+        for i in reversed(range(len(s.layer_types))):
+            t = s.layer_types[i]
+            if kept[i]:
+                recompute = layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels) + working(t, True)
+                peak = max(peak, saved - above + recompute)
+                above += tokens * 2 * s.hidden_size
+            else:
+                above += layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels)
+        return int(max(loss_peak, peak))
     inputs = len(s.layer_types) * tokens * 2 * s.hidden_size + tokens * (norm_bytes(s.hidden_size, kernels) + 16)
     recompute = max(layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels) + working(t) for t in types)
     return int(max(loss_peak, inputs + recompute))

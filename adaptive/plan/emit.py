@@ -145,6 +145,7 @@ def candidate_dict(c: Candidate) -> dict:
         "gradient_accumulation_steps": c.grad_accum,
         "seq_len": s.seq_len,
         "gradient_checkpointing": s.gradient_checkpointing,
+        "checkpointing": s.checkpointing,  # off | full | a selective policy (mlp, every:N)
         "kernels": s.kernels,
         "ep_size": s.ep_size,
         "memory": dict(c.memory.parts),

@@ -16,6 +16,7 @@ from adaptive.plan.activations import (
     loss_saved_bytes_per_token,
     loss_working_bytes,
 )
+from adaptive.errors import AdaptiveError
 from adaptive.plan.calibration import Calibration
 from adaptive.plan.params import ParamCounts, count_params
 from adaptive.plan.presets import ModelSpec
@@ -55,6 +56,14 @@ class TrainSetup:
     calibration: Calibration | None = None  # measured activations replace the formula
     gradient_accumulation_steps: int = 1  # ZeRO-0/1 hold every 16-bit gradient between boundaries
     kernels: str = "lean"  # adaptive's lean blocks, or "plain" (transformers' Llama ops): activations.py
+    checkpoint_policy: str | None = None  # selective checkpointing ("mlp", "every:N") when not full
+
+    @property
+    def checkpointing(self) -> str:
+        """The policy in force: "full", a selective one, or "off"."""
+        if self.gradient_checkpointing:
+            return "full"
+        return self.checkpoint_policy or "off"
 
     @property
     def world_size(self) -> int:
@@ -185,13 +194,16 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
     offload = setup.offload_optimizer
     parts["zero3_grad_partition"] = int(2 * partition) if setup.zero_stage == 3 and not offload else 0
     tokens, ckpt = setup.tokens_per_micro_batch, setup.gradient_checkpointing
+    policy = setup.checkpointing
+    if setup.calibration is not None and policy not in ("off", "full"):
+        raise AdaptiveError(f"a calibration file covers checkpointing off and full, not {policy!r}")
     if setup.calibration is not None:
         saved = setup.calibration.activation_bytes(tokens, ckpt)
         backward_peak = setup.calibration.backward_bytes(tokens, ckpt)
     else:
-        saved = activation_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, ckpt, setup.capacity_factor,
+        saved = activation_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, policy, setup.capacity_factor,
                                  setup.kernels)
-        backward_peak = backward_peak_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, ckpt,
+        backward_peak = backward_peak_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, policy,
                                             setup.capacity_factor, setup.kernels)
     if setup.kernels == "plain":
         # the loss keeps its fp32 log-softmax for backward; its backward working set is in the transient

@@ -43,7 +43,8 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
                  capacity_factor: float = 1.0, mod_capacity: float | None = None, mfu: float | None = None,
                  price: float | None = None, host_mem_gib: float | None = None,
                  gpu_mem_gib: float | None = None, gpu_tflops: float | None = None,
-                 calibrate: str | None = None, kernels: str | None = None) -> FitRequest:
+                 calibrate: str | None = None, kernels: str | None = None,
+                 checkpoint_policy: str | None = None) -> FitRequest:
     """`kernels` None: "lean" for adaptive's models, "plain" for a config.json transformers' class trains."""
     require_positive("--host-mem", host_mem_gib)
     spec = resolve_model(model, arch, mod_capacity)
@@ -57,4 +58,5 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         host_mem_bytes=int(host_mem_gib * GiB) if host_mem_gib is not None else None,
         calibration=load_calibration(calibrate, spec, capacity_factor) if calibrate else None,
         kernels=kernels or default_kernels(spec),
+        checkpointing=checkpoint_policy,
     )

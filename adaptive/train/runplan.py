@@ -380,6 +380,7 @@ def replan_for_knobs(plan: Plan, knobs: Knobs) -> Plan:
     request = replace(plan.request, seq_len=knobs.seq_len, min_seq_len=None, zero_stage=s.zero_stage, offload=offload,
                       micro_batch_size=knobs.micro_batch_size, grad_accum=knobs.gradient_accumulation_steps,
                       gradient_checkpointing=knobs.gradient_checkpointing, ep_size=s.ep_size,
+                      checkpointing="full" if knobs.gradient_checkpointing else s.checkpoint_policy or "off",
                       global_batch_tokens=knobs.tokens_per_step * plan.request.world_size)
     try:
         return fit(request, suggest=False)
@@ -393,6 +394,8 @@ def with_knobs(plan_json: dict[str, Any], knobs: Knobs) -> dict[str, Any]:
     out = dict(plan_json)
     out.update(micro_batch_size=knobs.micro_batch_size, gradient_accumulation_steps=knobs.gradient_accumulation_steps,
                gradient_checkpointing=knobs.gradient_checkpointing, seq_len=knobs.seq_len)
+    if knobs.gradient_checkpointing:  # the OOM ladder's full checkpointing replaces a selective policy
+        out["checkpointing"] = "full"
     return out
 
 
