@@ -168,6 +168,7 @@ class ChunkedLMLossFunction(torch.autograd.Function):
                 grad_hidden[start:start + ctx.chunk] = grad_logits.mm(w)
             if need_weight:
                 grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), h.to(grad_weight.dtype))
+            del grad_logits  # before the next tile's logits exist
         return grad_hidden, grad_weight, None, None
 
 

@@ -233,8 +233,13 @@ def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpoint
             return moe_backward_bytes(s, tokens, capacity_factor)
         if layer_type == "hybrid":
             return moe_backward_bytes(s, selected, capacity_factor)
-        f = s.intermediate_size
-        return tokens * (8 * s.hidden_size + 2.5 * f) if recomputed else 0.0
+        f, h = s.intermediate_size, s.hidden_size
+        n = tokens if layer_type == "dense" else selected
+        if recomputed:  # measured: plain 8h + 2.5f, lean 10f + h per token (its SwiGLU rebuilt twice)
+            return n * (8 * h + 2.5 * f if kernels == "plain" else 10 * f + h)
+        # lean SwiGLU's backward rebuilds silu(gate) and the product beside their gradients (measured
+        # 10f + 2h per token on debug_200m); plain's layer backward stays under its loss's 6.5 bytes/logit
+        return n * (10 * f + 2 * h) if kernels == "lean" else 0.0
 
     types = set(s.layer_types)
     left = tokens * (6.5 * s.vocab_size if kernels == "plain" else 2 * s.hidden_size)
@@ -245,8 +250,8 @@ def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpoint
         def half(t: str) -> float:  # the recomputed MLP half (dense: norm + SwiGLU) and its working set
             n = tokens if t in ("dense", "moe") else selected
             if t in ("dense", "mod"):
-                return n * (norm_bytes(s.hidden_size, kernels) + swiglu_bytes(s.intermediate_size, kernels)
-                            + 8 * s.hidden_size + 2.5 * s.intermediate_size)
+                return (n * (norm_bytes(s.hidden_size, kernels) + swiglu_bytes(s.intermediate_size, kernels))
+                        + working(t, True))
             full = layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels)
             return full - mlp_checkpointed_layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels) + \
                 moe_backward_bytes(s, n, capacity_factor)
