@@ -44,7 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from adaptive.orchestrator import policies  # noqa: E402
-from adaptive.orchestrator.callbacks import CallbackList, Control, TrainerState  # noqa: E402
+from adaptive.train.callbacks import CallbackList, Control, TrainerState  # noqa: E402
 
 
 def rss_bytes() -> int:
@@ -91,21 +91,22 @@ def policy_tensor_bytes(chain: list) -> int:
 def build(seq_len: int, out: Path):
     """The debug MoE recipe's run on this CPU, as adaptive.train.entry.run builds it."""
     from adaptive.train import setup
-    from adaptive.train.entry import parse_args
+    from adaptive.config.commandline import parse
     from adaptive.train.loop import Loop, LoopSettings
     from adaptive.train.metrics import MetricsWriter
     from adaptive.train.runplan import World, detect_device, plan_run
 
-    args = parse_args("debug", "moe", ["--seq-len", str(seq_len), "--micro-batch", "4", "--grad-accum", "1",
-                                       "--max-steps", "100000", "--output-dir", str(out), "--orchestrator", "on",
-                                       "--dataset", "builtin", "--no-progress"])
+    config = parse("train", ["--seq-len", str(seq_len), "--micro-batch", "4", "--grad-accum", "1",
+                             "--max-steps", "100000", "--output-dir", str(out), "--orchestrator", "on",
+                             "--dataset", "builtin", "--no-progress"])
     setup.init_distributed()
-    plan = plan_run(args, World(1, 1), detect_device(None))
+    plan = plan_run(config, "debug", "moe", World(1, 1), detect_device(None))
     accelerator = setup.make_accelerator(plan)
     setup.quiet_libraries(True)
-    data = setup.load_data(args, plan, accelerator, plan.plan.request.spec.vocab_size)
-    model = setup.build_model(plan, data.tokenizer, args.seed)
-    optimizer = setup.build_optimizer(model, plan.knobs, setup.peak_lr(args), args.weight_decay)
+    opt = config.optimizer
+    data = setup.load_data(config.data, opt.seed, plan, accelerator, plan.plan.request.spec.vocab_size)
+    model = setup.build_model(plan, data.tokenizer, opt.seed)
+    optimizer = setup.build_optimizer(model, plan.knobs, setup.peak_lr(opt.lr, "debug"), opt.weight_decay)
     lr_scheduler = setup.build_scheduler(optimizer, 10, plan.max_steps)
     engine, optimizer, scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
     out.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,8 @@ def main() -> None:
     ap.add_argument("--zero", type=int, default=2)
     ap.add_argument("--out")
     args = ap.parse_args()
-    rows = ["| model | arch | ckpt | seq | mb | activations predicted / measured GiB | error | peak predicted / measured GiB | error |",
+    rows = ["| model | arch | ckpt | seq | mb | activations predicted / measured GiB | error "
+            "| peak predicted / measured GiB | error |",
             "|---|---|---|---|---|---|---|---|---|"]
     worst = (0.0, "")
     for name, arch in itertools.product(args.models.split(","), args.archs.split(",")):

@@ -29,6 +29,11 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, as the other benches do
+
+from adaptive.plan.blocks import block_type  # noqa: E402
 
 CONFIGS = [  # (preset, arch, zero, offload, micro-batches)
     ("b1", "dense", 2, "none", (2, 4)),
@@ -72,7 +77,7 @@ def make_optimizer(model, arch: str, offload: str, dry_run: bool, cfg: dict):
     import torch
 
     params = list(model.parameters())
-    if arch in ("moe", "hybrid"):
+    if block_type(arch).has_experts:
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
         params = split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "params"})
@@ -121,7 +126,7 @@ def run_config(preset: str, arch: str, zero: int, offload: str, micros: tuple[in
     device = "cpu" if dry_run else "cuda"
     if dry_run:  # the CPU has no bf16 DeepSpeed kernels worth timing
         cfg.pop("bf16", None)
-    overrides = {"moe_implementation": "deepspeed"} if arch in ("moe", "hybrid") else {}
+    overrides = {"moe_implementation": "deepspeed"} if block_type(arch).has_experts else {}
     config = AdaptiveConfig.from_preset(model_name, arch=arch, **overrides)
     torch.manual_seed(0)
     with torch.device(device):

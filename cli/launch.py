@@ -9,23 +9,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.fit import Gpu, Gpus, Nodes
+from adaptive.config import LAUNCH, RunConfig
+from adaptive.config.commandline import with_run_options
 
 
+@with_run_options(LAUNCH)
 def launch(
+    config: RunConfig,
     ctx: typer.Context,
-    recipe: Annotated[Path, typer.Argument(help="A recipe, e.g. recipes/b1_mod.py (its name gives preset and arch).")],
-    gpu: Gpu = None,
-    gpus: Gpus = 1,
-    nodes: Nodes = 1,
+    recipe: Annotated[Path, typer.Argument(help="A recipe, e.g. recipes/b1_mod.py (it declares its preset and arch).")],
     hostfile: Annotated[Optional[Path], typer.Option(help="DeepSpeed hostfile (`host slots=N` lines): launch all "
                                                      "nodes from here with DeepSpeed's pdsh launcher.")] = None,
-    run_dir: Annotated[Optional[Path], typer.Option(help="Run folder for configs, checkpoints, metrics "
-                                                    "(default runs/PRESET_ARCH).")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Override the recipe's preset.")] = None,
-    arch: Annotated[Optional[str], typer.Option(help="Override the recipe's architecture.")] = None,
-    seq_len: Annotated[Optional[int], typer.Option(help="Sequence length to plan (default 2048).")] = None,
-    tokens: Annotated[Optional[float], typer.Option(help="Training tokens (default 20 x active params).")] = None,
     main_process_ip: Annotated[Optional[str], typer.Option(help="Main node's address (several nodes).")] = None,
     main_process_port: Annotated[int, typer.Option(help="Main node's port.")] = 29500,
     machine_rank: Annotated[int, typer.Option(help="This node's rank (several nodes, no hostfile).")] = 0,
@@ -33,12 +27,11 @@ def launch(
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> int:
     """Plan a recipe's run, write ds_config.json, accelerate_config.yaml and plan.json, print the exact
-    launch command and run it. Arguments after `--` go to the recipe."""
-    from adaptive.train.launch import LaunchRequest, plan_launch, run_launch
+    launch command and run it. Run options go to the recipe; arguments after `--` go to it as they are."""
+    from adaptive.launch import LaunchRequest, plan_launch, run_launch
 
     request = LaunchRequest(
-        recipe=str(recipe), gpu=gpu, gpus=gpus, nodes=nodes, hostfile=str(hostfile) if hostfile else None,
-        run_dir=str(run_dir) if run_dir else None, model=model, arch=arch, seq_len=seq_len, tokens=tokens,
+        recipe=str(recipe), config=config, hostfile=str(hostfile) if hostfile else None,
         main_process_ip=main_process_ip, main_process_port=main_process_port, machine_rank=machine_rank,
         recipe_args=tuple(ctx.args),
     )

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from adaptive.errors import AdaptiveError
+from adaptive.config.commandline import run_command
 from cli import catalog, compare, fit, launch, measure, report
 
 app = typer.Typer(
@@ -26,26 +26,9 @@ app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknow
     launch.launch
 )
 
-# typer vendors click in new versions and depends on it in older ones; find its base error either way.
-_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
-
-
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
 def run(argv: list[str] | None = None) -> int:
     """Run the CLI; bad input is one line on stderr and exit code 2, never a traceback."""
-    try:
-        rv = app(args=argv, prog_name="adaptive", standalone_mode=False)
-    except AdaptiveError as e:
-        return _fail(str(e))
-    except _ClickException as e:
-        return _fail(e.format_message().replace("\n", " "))
-    except typer.Abort:
-        return 130
-    return rv if isinstance(rv, int) else 0
+    return run_command(app, argv, "adaptive")
 
 
 def main() -> None:

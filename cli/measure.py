@@ -8,34 +8,33 @@ from typing import Annotated, Optional
 import typer
 
 from adaptive.plan import make_request
-from cli.fit import Arch, Gpu, GpuMem, GpuTflops, Json, Model, SeqLen
+from adaptive.config.commandline import with_run_options
+from adaptive.config.run import MEASURE, RunConfig
+from cli.fit import Json
 
 
+@with_run_options(MEASURE)
 def measure(
-    model: Model = "b7",
-    gpu: Gpu = None,
-    arch: Arch = None,
-    seq_len: SeqLen = 2048,
-    micro_batch: Annotated[int, typer.Option(help="Micro-batch per GPU.")] = 1,
-    checkpointing: Annotated[bool, typer.Option("--checkpointing/--no-checkpointing",
-                                                help="Full activation checkpointing.")] = False,
-    zero: Annotated[int, typer.Option(help="ZeRO stage whose one-GPU state layout is emulated (0-3).")] = 0,
-    capacity_factor: Annotated[float, typer.Option(help="MoE capacity factor.")] = 1.0,
-    mod_capacity: Annotated[Optional[float], typer.Option(help="MoD capacity (fraction of tokens routed).")] = None,
+    config: RunConfig,
     full_depth: Annotated[bool, typer.Option("--full-depth",
                                              help="Build every layer instead of extrapolating from 2 depths.")] = False,
     save_calibration: Annotated[Optional[str], typer.Option(
         help="Also measure with and without checkpointing and write a calibration file for `fit --calibrate`.")] = None,
-    gpu_mem: GpuMem = None,
-    gpu_tflops: GpuTflops = None,
     json_output: Json = False,
 ) -> None:
     """Measure memory of a real training step with fake tensors (no memory, no GPU), next to the plan."""
     from adaptive.plan.planner import validate
 
-    request = make_request(model=model, gpu=gpu or ("a100-80gb" if gpu_mem is None else None), arch=arch,
-                           seq_len=seq_len, micro_batch=micro_batch, capacity_factor=capacity_factor,
-                           mod_capacity=mod_capacity, zero=zero, gpu_mem_gib=gpu_mem, gpu_tflops=gpu_tflops)
+    # what is measured: the pinned knobs, else one sequence on ZeRO-0 without checkpointing
+    model = config.model.name or "b7"
+    zero = config.parallelism.zero or 0
+    micro_batch = config.parallelism.micro_batch or 1
+    checkpointing = config.checkpointing.checkpoint_policy or bool(config.checkpointing.gradient_checkpointing)
+    hw = config.hardware
+    request = make_request(model=model, gpu=hw.gpu or ("a100-80gb" if hw.gpu_mem is None else None),
+                           arch=config.model.arch, seq_len=config.data.seq_len or 2048, micro_batch=micro_batch,
+                           capacity_factor=config.model.capacity_factor, mod_capacity=config.model.mod_capacity,
+                           zero=zero, gpu_mem_gib=hw.gpu_mem, gpu_tflops=hw.gpu_tflops, kernels=config.model.kernels)
     validate(request)  # the ZeRO stage too: 0-3, and not 3 for MoE
     if save_calibration:  # before minutes of measuring, not after
         from adaptive.fidelity.calibrate import check_writable

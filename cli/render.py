@@ -33,7 +33,8 @@ PART_LABELS = {
 # When each part is alive during a step; the peak sums only parts alive at the same moment.
 PART_WHEN = {
     "params": "whole step", "optimizer": "whole step", "comm_buckets": "whole step",
-    "zero3_grad_partition": "whole step", "grads": "optimizer step", "zero3_live_params": "backward", "accumulated_grads": "backward",
+    "zero3_grad_partition": "whole step", "grads": "optimizer step", "zero3_live_params": "backward",
+    "accumulated_grads": "backward",
     "activations": "backward", "logits_and_loss": "backward", "backward_transient": "backward",
     "fragmentation": "allowance", "cuda_context": "allowance",
 }

@@ -9,7 +9,9 @@ b1: ~1B parameters. dense: a dense decoder.
 Flags: `python recipes/b1_dense.py --help` and README.md, section Training.
 """
 
-from adaptive.train.entry import main
+from adaptive.recipe import Recipe
+
+recipe = Recipe(model="b1", arch="dense")
 
 if __name__ == "__main__":
-    raise SystemExit(main(preset="b1", arch="dense"))
+    raise SystemExit(recipe.main())

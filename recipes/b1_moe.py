@@ -10,7 +10,9 @@ b1: ~1B parameters. moe: Mixture-of-Experts,
 Flags: `python recipes/b1_moe.py --help` and README.md, section Training.
 """
 
-from adaptive.train.entry import main
+from adaptive.recipe import Recipe
+
+recipe = Recipe(model="b1", arch="moe")
 
 if __name__ == "__main__":
-    raise SystemExit(main(preset="b1", arch="moe"))
+    raise SystemExit(recipe.main())

@@ -9,7 +9,9 @@ b7: ~7B parameters (Mistral-7B's shape). dense: a dense decoder.
 Flags: `python recipes/b7_dense.py --help` and README.md, section Training.
 """
 
-from adaptive.train.entry import main
+from adaptive.recipe import Recipe
+
+recipe = Recipe(model="b7", arch="dense")
 
 if __name__ == "__main__":
-    raise SystemExit(main(preset="b7", arch="dense"))
+    raise SystemExit(recipe.main())

@@ -10,7 +10,9 @@ block, every other block MoD-routed.
 Flags: `python recipes/b7_hybrid.py --help` and README.md, section Training.
 """
 
-from adaptive.train.entry import main
+from adaptive.recipe import Recipe
+
+recipe = Recipe(model="b7", arch="hybrid")
 
 if __name__ == "__main__":
-    raise SystemExit(main(preset="b7", arch="hybrid"))
+    raise SystemExit(recipe.main())

@@ -10,7 +10,9 @@ every other block routed at capacity 0.5.
 Flags: `python recipes/b7_mod.py --help` and README.md, section Training.
 """
 
-from adaptive.train.entry import main
+from adaptive.recipe import Recipe
+
+recipe = Recipe(model="b7", arch="mod")
 
 if __name__ == "__main__":
-    raise SystemExit(main(preset="b7", arch="mod"))
+    raise SystemExit(recipe.main())

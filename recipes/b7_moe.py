@@ -10,7 +10,9 @@ b7: ~7B parameters (Mistral-7B's shape). moe: Mixture-of-Experts,
 Flags: `python recipes/b7_moe.py --help` and README.md, section Training.
 """
 
-from adaptive.train.entry import main
+from adaptive.recipe import Recipe
+
+recipe = Recipe(model="b7", arch="moe")
 
 if __name__ == "__main__":
-    raise SystemExit(main(preset="b7", arch="moe"))
+    raise SystemExit(recipe.main())

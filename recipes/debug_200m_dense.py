@@ -9,7 +9,9 @@ debug_200m: ~200M parameters. dense: a dense decoder.
 Flags: `python recipes/debug_200m_dense.py --help` and README.md, section Training.
 """
 
-from adaptive.train.entry import main
+from adaptive.recipe import Recipe
+
+recipe = Recipe(model="debug_200m", arch="dense")
 
 if __name__ == "__main__":
-    raise SystemExit(main(preset="debug_200m", arch="dense"))
+    raise SystemExit(recipe.main())

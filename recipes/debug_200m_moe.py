@@ -10,7 +10,9 @@ debug_200m: ~200M parameters. moe: Mixture-of-Experts,
 Flags: `python recipes/debug_200m_moe.py --help` and README.md, section Training.
 """
 
-from adaptive.train.entry import main
+from adaptive.recipe import Recipe
+
+recipe = Recipe(model="debug_200m", arch="moe")
 
 if __name__ == "__main__":
-    raise SystemExit(main(preset="debug_200m", arch="moe"))
+    raise SystemExit(recipe.main())

@@ -9,7 +9,9 @@ debug: ~0.5M parameters, trains on a CPU in seconds. dense: a dense decoder.
 Flags: `python recipes/debug_dense.py --help` and README.md, section Training.
 """
 
-from adaptive.train.entry import main
+from adaptive.recipe import Recipe
+
+recipe = Recipe(model="debug", arch="dense")
 
 if __name__ == "__main__":
-    raise SystemExit(main(preset="debug", arch="dense"))
+    raise SystemExit(recipe.main())

@@ -10,7 +10,9 @@ block, every other block MoD-routed.
 Flags: `python recipes/debug_hybrid.py --help` and README.md, section Training.
 """
 
-from adaptive.train.entry import main
+from adaptive.recipe import Recipe
+
+recipe = Recipe(model="debug", arch="hybrid")
 
 if __name__ == "__main__":
-    raise SystemExit(main(preset="debug", arch="hybrid"))
+    raise SystemExit(recipe.main())

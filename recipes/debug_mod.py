@@ -10,7 +10,9 @@ every other block routed at capacity 0.5.
 Flags: `python recipes/debug_mod.py --help` and README.md, section Training.
 """
 
-from adaptive.train.entry import main
+from adaptive.recipe import Recipe
+
+recipe = Recipe(model="debug", arch="mod")
 
 if __name__ == "__main__":
-    raise SystemExit(main(preset="debug", arch="mod"))
+    raise SystemExit(recipe.main())

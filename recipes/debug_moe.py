@@ -10,7 +10,9 @@ debug: ~0.5M parameters, trains on a CPU in seconds. moe: Mixture-of-Experts,
 Flags: `python recipes/debug_moe.py --help` and README.md, section Training.
 """
 
-from adaptive.train.entry import main
+from adaptive.recipe import Recipe
+
+recipe = Recipe(model="debug", arch="moe")
 
 if __name__ == "__main__":
-    raise SystemExit(main(preset="debug", arch="moe"))
+    raise SystemExit(recipe.main())

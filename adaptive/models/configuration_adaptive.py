@@ -18,6 +18,7 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 from adaptive.errors import AdaptiveError, closest
+from adaptive.plan.blocks import block_type
 from adaptive.plan.presets import LAYER_TYPES, ModelSpec, preset_spec
 
 MOE_IMPLEMENTATIONS = ("native", "deepspeed")
@@ -131,11 +132,11 @@ class AdaptiveConfig(PreTrainedConfig):
 
     @property
     def moe_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.block_types) if t in ("moe", "hybrid")]
+        return [i for i, t in enumerate(self.block_types) if block_type(t).has_experts]
 
     @property
     def mod_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.block_types) if t in ("mod", "hybrid")]
+        return [i for i, t in enumerate(self.block_types) if block_type(t).routed]
 
     def validate_adaptive(self) -> None:
         """Run by `@strict` at save time; `__post_init__` runs the same checks at construction."""

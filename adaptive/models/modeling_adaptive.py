@@ -37,6 +37,7 @@ from adaptive.models.mod import (
     scatter_delta,
 )
 from adaptive.models.moe import MoEStats, NativeMoE
+from adaptive.plan.blocks import block_type
 
 logger = logging.get_logger(__name__)
 
@@ -203,7 +204,7 @@ class LayerOutput(NamedTuple):
 
 def build_mlp(config: AdaptiveConfig, layer_type: str) -> nn.Module:
     lean = config.kernels == "lean"
-    if layer_type not in ("moe", "hybrid"):
+    if not block_type(layer_type).has_experts:
         return AdaptiveMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act, lean)
 
     def make_expert() -> AdaptiveMLP:
@@ -236,8 +237,9 @@ class AdaptiveDecoderLayer(GradientCheckpointingLayer):
         lean = config.kernels == "lean"
         self.input_layernorm = AdaptiveRMSNorm(config.hidden_size, eps=config.rms_norm_eps, lean=lean)
         self.post_attention_layernorm = AdaptiveRMSNorm(config.hidden_size, eps=config.rms_norm_eps, lean=lean)
-        self.is_moe = self.layer_type in ("moe", "hybrid")
-        routed = self.layer_type in ("mod", "hybrid")
+        kind = block_type(self.layer_type)
+        self.is_moe = kind.has_experts
+        routed = kind.routed
         self.mod = MoDRouter(config.hidden_size, config.mod_predictor_hidden_size) if routed else None
         self.checkpoint_mlp = False  # selective checkpointing: recompute the MLP half (checkpointing.py)
 
@@ -357,9 +359,9 @@ class AdaptiveModelOutputWithPast(ModelOutput):
 class AdaptiveCausalLMOutputWithPast(ModelOutput):
     """Like transformers' MoeCausalLMOutputWithPast, plus router statistics.
 
-    `loss` = LM loss + `aux_loss` (when labels are given). `past_key_values` still reads `cache`. `aux_loss` = router_aux_loss_coef * mean
-    l_aux + router_z_loss_coef * mean z-loss over MoE layers + mod_aux_loss_coef * mean BCE over MoD
-    layers; None for a dense model.
+    `loss` = LM loss + `aux_loss` (when labels are given). `past_key_values` still reads `cache`.
+    `aux_loss` = router_aux_loss_coef * mean l_aux + router_z_loss_coef * mean z-loss over MoE layers
+    + mod_aux_loss_coef * mean BCE over MoD layers; None for a dense model.
     """
 
     loss: torch.Tensor | None = None
@@ -418,6 +420,13 @@ class AdaptivePreTrainedModel(PreTrainedModel):
     def moe_gates(self) -> list[nn.Module]:
         """Every MoE gate, in layer order. Each has `e_score_correction_bias` [E] (selection-only bias)."""
         return [m.gate for m in self.modules() if isinstance(m, NativeMoE) or _is_deepspeed_moe(m)]
+
+    def _expert_groups_ready(self) -> bool:
+        """Every DeepSpeed MoE block has its expert-parallel group (setup_expert_parallel or deepspeed.initialize)."""
+        if not self._expert_parallel_ready:
+            blocks = [m for m in self.modules() if _is_deepspeed_moe(m)]
+            self._expert_parallel_ready = all(b.expert_parallel_ready for b in blocks)
+        return self._expert_parallel_ready
 
     def setup_expert_parallel(self) -> None:
         """Create DeepSpeed's process groups for DeepSpeed MoE blocks (after torch.distributed is up,
@@ -518,8 +527,10 @@ class AdaptiveModel(AdaptivePreTrainedModel):
         output_router_logits = config.output_router_logits if output_router_logits is None else output_router_logits
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             use_cache = False  # the checkpointed layers drop the cache anyway
-        if config.moe_implementation == "deepspeed" and not self._expert_parallel_ready:
-            self.setup_expert_parallel()  # before routing: hybrid layers sync their MoD width over the EP group
+        if config.moe_implementation == "deepspeed" and config.moe_layers and not self._expert_groups_ready():
+            # forward() creates no process group: that is setup's job, before the model runs
+            raise AdaptiveError("DeepSpeed MoE needs its process groups before the first forward: call "
+                                "model.setup_expert_parallel() (from_pretrained and the recipes do)")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:

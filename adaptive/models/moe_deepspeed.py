@@ -10,7 +10,7 @@ Expert parallelism: with `ep_size = P`, rank r of an expert-parallel group holds
 load_global_state_dict` and `from_pretrained` do that for you.
 
 DeepSpeed MoE needs torch.distributed and its expert groups. `deepspeed.initialize` creates both;
-without it, `ensure_expert_parallel(model)` (called on the first forward) initialises a
+without it, `ensure_expert_parallel(model)` (model.setup_expert_parallel(), never forward) initialises a
 single-process group when nothing has, logs that, and creates the groups.
 """
 
@@ -27,6 +27,7 @@ from deepspeed.moe.layer import MoE
 from deepspeed.moe.sharded_moe import TopKGate
 from torch import nn
 
+from adaptive.engine import expert_parallel_rank
 from adaptive.errors import AdaptiveError
 from adaptive.models.moe import MoEStats, _init_gate_state, gate_routes
 
@@ -126,15 +127,6 @@ def ensure_expert_parallel(model: nn.Module) -> None:
         )
     for block in blocks:
         block.set_deepspeed_parallelism()
-
-
-def expert_parallel_rank(ep_size: int) -> int:
-    """This process's rank inside its expert-parallel group (DeepSpeed's consecutive-rank layout)."""
-    if ep_size == 1:
-        return 0
-    from deepspeed.utils import groups
-
-    return groups._get_expert_parallel_rank(f"ep_size_{ep_size}")
 
 
 def localize_expert_state_dict(state_dict: dict, num_experts: int, ep_size: int, ep_rank: int) -> dict:

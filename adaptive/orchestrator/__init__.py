@@ -1,4 +1,4 @@
-"""Runtime adaptation: small callbacks the training loop calls (`adaptive.orchestrator.callbacks`).
+"""Runtime adaptation: small callbacks the training loop calls (its contract: `adaptive.train.callbacks`).
 
 `policies(config)` builds the orchestrator the recipes' entry point adds to the loop when
 `--orchestrator` is on (or auto and the plan recommends it), in this order:
@@ -12,11 +12,14 @@
     ep             ep_advice.py  measured all-to-all share -> ep_size for the next launch
     EventSummary   events.py     events.jsonl and its end summary
 
-Each policy has its own frozen config and can be left out (`--orchestrator-policies`); configs are
-set with `--orchestrator-config` (JSON: {"guard": {"bad_steps": 3}, "balance": {"rate": 0.001}}).
-`trainer.OrchestratorCallback` attaches the same list to a transformers `Trainer`.
+A policy is one module ending in `POLICY = Policy(name, config, build)` plus one line in
+`registry.POLICIES`. Each has its own frozen settings dataclass, validated on construction, and can be
+left out (`--orchestrator-policies`); settings come from `--orchestrator-config` (JSON:
+{"guard": {"bad_steps": 3}, "balance": {"rate": 0.001}}), checked by pydantic against the dataclass.
+`adaptive.train.hf_trainer.OrchestratorCallback` attaches the same list to a transformers `Trainer`.
 
-This package imports nothing heavy at import time (the CLI's `adaptive report` reads it).
+This package imports nothing from `adaptive.train` and nothing heavy at import time (the CLI's
+`adaptive report` reads it); torch is imported where a policy runs.
 """
 
 from __future__ import annotations
@@ -29,21 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from adaptive.errors import AdaptiveError
-from adaptive.orchestrator.callbacks import Callback, CallbackList, Control, Knobs, TrainerState
+from adaptive.orchestrator.registry import POLICIES, policy
 
-POLICY_NAMES = ("balance", "capacity", "oom", "guard", "ep")
+POLICY_NAMES = tuple(POLICIES)
 
 
 def _configs() -> dict[str, type]:
-    from adaptive.orchestrator.balance import BalanceConfig
-    from adaptive.orchestrator.capacity import CapacityConfig
-    from adaptive.orchestrator.ep_advice import EPAdviceConfig
-    from adaptive.orchestrator.guard import GuardConfig
     from adaptive.orchestrator.monitor import MonitorConfig
-    from adaptive.orchestrator.oom import OOMConfig
 
-    return {"monitor": MonitorConfig, "balance": BalanceConfig, "capacity": CapacityConfig, "oom": OOMConfig,
-            "guard": GuardConfig, "ep": EPAdviceConfig}
+    return {"monitor": MonitorConfig, **{name: policy(name).config for name in POLICIES}}
 
 
 @dataclass(frozen=True)
@@ -103,12 +100,24 @@ def parse_settings(text: str | None) -> dict[str, dict[str, Any]]:
         for key in values:
             if key not in fields:
                 raise AdaptiveError(f"unknown {name} setting {key!r}{_closest(key, sorted(fields))}")
-        try:
-            configs[name](**values)
-        except TypeError as err:
-            raise AdaptiveError(f"orchestrator config {name}: {err}") from None
-        out[name] = dict(values)
+        checked = _validate(name, configs[name], values)
+        out[name] = {key: getattr(checked, key) for key in values}  # as the dataclass types them
     return out
+
+
+def _validate(section: str, cls: type, values: dict[str, Any]) -> Any:
+    """Types by pydantic against the dataclass's fields (no NaN or infinity), ranges by its __post_init__."""
+    from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+    try:
+        strict = type(cls.__name__, (cls,), {"__pydantic_config__": ConfigDict(allow_inf_nan=False)})
+        return TypeAdapter(strict).validate_python(values)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in (section, *first["loc"]))
+        message = first["msg"].removeprefix("Value error, ")
+        got = f", got {first['input']!r}" if first["loc"] else ""
+        raise AdaptiveError(f"--orchestrator-config {where}: {message}{got}") from None
 
 
 def orchestrator_config(policies_flag: str | None = None, config_flag: str | None = None) -> OrchestratorConfig:
@@ -116,29 +125,17 @@ def orchestrator_config(policies_flag: str | None = None, config_flag: str | Non
     return OrchestratorConfig(policies=parse_policies(policies_flag), settings=parse_settings(config_flag))
 
 
-def policies(config: OrchestratorConfig | None = None) -> list[Callback]:
+def policies(config: OrchestratorConfig | None = None) -> list[Any]:
     """The orchestrator's callbacks, in the order they run (monitor first, the event summary last)."""
-    from adaptive.orchestrator.balance import BalancePolicy
-    from adaptive.orchestrator.capacity import CapacityPolicy
-    from adaptive.orchestrator.ep_advice import EPAdvicePolicy
     from adaptive.orchestrator.events import EventLog, EventSummary
-    from adaptive.orchestrator.guard import GuardPolicy
     from adaptive.orchestrator.monitor import Monitor
-    from adaptive.orchestrator.oom import OOMPolicy
 
     config = config or OrchestratorConfig()
     events = EventLog()
     monitor = Monitor(config.config_for("monitor"))
-    build = {
-        "balance": lambda: BalancePolicy(monitor, events, config.config_for("balance")),
-        "capacity": lambda: CapacityPolicy(monitor, events, config.config_for("capacity")),
-        "oom": lambda: OOMPolicy(events, config.config_for("oom")),
-        "guard": lambda: GuardPolicy(monitor, events, config.config_for("guard")),
-        "ep": lambda: EPAdvicePolicy(monitor, events, config.config_for("ep")),
-    }
-    chosen: list[Callback] = [monitor, *(build[name]() for name in POLICY_NAMES if name in config.policies)]
+    chosen = [monitor, *(policy(name).build(monitor, events, config.config_for(name))
+                         for name in POLICY_NAMES if name in config.policies)]
     return [*chosen, EventSummary(events, chosen)]
 
 
-__all__ = ["Callback", "CallbackList", "Control", "Knobs", "OrchestratorConfig", "POLICY_NAMES", "TrainerState",
-           "orchestrator_config", "parse_policies", "parse_settings", "policies"]
+__all__ = ["OrchestratorConfig", "POLICY_NAMES", "orchestrator_config", "parse_policies", "parse_settings", "policies"]

@@ -30,9 +30,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from typing import TYPE_CHECKING
 
-from adaptive.orchestrator.callbacks import Callback, Control, TrainerState
+if TYPE_CHECKING:  # torch only where a policy runs: its config stays importable without it
+    import torch
+
+from adaptive.orchestrator.registry import Policy, require
+from adaptive.orchestrator.contract import Control, TrainerState
 from adaptive.orchestrator.events import EventLog
 from adaptive.orchestrator.monitor import Monitor, all_reduce_sum, world_size
 
@@ -40,6 +44,9 @@ from adaptive.orchestrator.monitor import Monitor, all_reduce_sum, world_size
 @dataclass(frozen=True)
 class BalanceConfig:
     rate: float = 1e-3  # u: bias step per optimizer step
+
+    def __post_init__(self) -> None:
+        require(0 < self.rate < 1, f"rate must be in (0, 1), got {self.rate}")
 
 
 def moe_gates(model: Any) -> list[Any]:
@@ -49,7 +56,7 @@ def moe_gates(model: Any) -> list[Any]:
     return [m for m in model.modules() if hasattr(m, "e_score_correction_bias") and hasattr(m, "capacity_factor")]
 
 
-class BalancePolicy(Callback):
+class BalancePolicy:
     name = "balance"
 
     def __init__(self, monitor: Monitor, events: EventLog, config: BalanceConfig | None = None) -> None:
@@ -65,6 +72,7 @@ class BalancePolicy(Callback):
         self._loaded: dict[str, Any] | None = None  # from the checkpoint being loaded
 
     def on_train_start(self, state: TrainerState, control: Control) -> None:
+        import torch
         self.gates = moe_gates(state.model)
         self.biases = [g.e_score_correction_bias for g in self.gates]
         if world_size() > 1:  # start from rank 0's biases; identical updates keep them equal from then on
@@ -75,6 +83,7 @@ class BalancePolicy(Callback):
         self._reported = self._bias_copies()
 
     def _sync_masters(self) -> None:
+        import torch
         low = any(b.dtype != torch.float32 for b in self.biases)
         self.masters = [b.detach().float().clone() for b in self.biases] if low else None
         saved, self._loaded = self._loaded, None
@@ -101,6 +110,7 @@ class BalancePolicy(Callback):
         self._loaded = dict(state_dict)
 
     def on_optimizer_step(self, state: TrainerState, control: Control) -> None:
+        import torch
         counts = self.monitor.step_counts
         if not self.biases or counts is None:
             return
@@ -149,5 +159,8 @@ def _ranges(rows: list[list[float]] | None) -> list[list[float]] | None:
     """[min, max] of each layer's bias, to 7 significant digits (the fp32 values print long)."""
     return [[float(f"{min(r):.7g}"), float(f"{max(r):.7g}")] for r in rows] if rows else None
 
+
+
+POLICY = Policy(name="balance", config=BalanceConfig, build=BalancePolicy)
 
 __all__ = ["BalanceConfig", "BalancePolicy", "moe_gates"]

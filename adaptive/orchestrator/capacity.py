@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from adaptive.orchestrator.balance import moe_gates
-from adaptive.orchestrator.callbacks import Callback, Control, Knobs, TrainerState
+from adaptive.orchestrator.registry import Policy, require
+from adaptive.orchestrator.contract import Control, Knobs, TrainerState
 from adaptive.orchestrator.events import EventLog
 from adaptive.orchestrator.monitor import Monitor
 
@@ -44,6 +45,17 @@ class CapacityConfig:
     max_factor: float = 4.0
     memory_budget_bytes: int | None = None  # default: the plan's GPU memory
     tight_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        require(0 <= self.lower_below <= self.raise_above < 1, "need 0 <= lower_below <= raise_above < 1, got "
+                f"{self.lower_below} and {self.raise_above}")
+        require(self.patience >= 1, f"patience must be >= 1, got {self.patience}")
+        require(self.step > 0, f"step must be positive, got {self.step}")
+        require(0 < self.min_factor <= self.max_factor, f"need 0 < min_factor <= max_factor, got {self.min_factor} "
+                f"and {self.max_factor}")
+        require(self.memory_budget_bytes is None or self.memory_budget_bytes > 0,
+                f"memory_budget_bytes must be positive, got {self.memory_budget_bytes}")
+        require(0 < self.tight_fraction <= 1, f"tight_fraction must be in (0, 1], got {self.tight_fraction}")
 
 
 def planned_peak_bytes(plan: Any, knobs: Knobs | None, capacity_factor: float) -> int:
@@ -87,7 +99,7 @@ def capacity_bound(plan: Any, knobs: Knobs | None, config: CapacityConfig) -> fl
     return best
 
 
-class CapacityPolicy(Callback):
+class CapacityPolicy:
     name = "capacity"
 
     def __init__(self, monitor: Monitor, events: EventLog, config: CapacityConfig | None = None) -> None:
@@ -202,5 +214,8 @@ class CapacityPolicy(Callback):
     def summary(self) -> dict[str, Any]:
         return {"capacity_factor": self.factor, "bound": self.bound}
 
+
+
+POLICY = Policy(name="capacity", config=CapacityConfig, build=CapacityPolicy)
 
 __all__ = ["CapacityConfig", "CapacityPolicy", "capacity_bound", "capacity_grid", "planned_peak_bytes"]

@@ -2,7 +2,7 @@
 launch. The live run keeps its ep_size (changing it means re-sharding experts and optimizer state).
 
 Measurement: on one optimizer step in every `sample_every`, the policy turns on DeepSpeed MoE's
-own timers (`MOELayer.wall_clock_breakdown`, which records `time_falltoall`, `time_salltoall` and
+own timers (`MOELayer.wall_clock_breakdown`, read in adaptive/engine.py: the all-to-all and
 `time_moe` per forward; on a GPU they synchronise, which is why only sampled steps pay for it),
 sums them over layers and micro-batches, and divides by the step's wall time. The backward pass runs
 the same two all-to-alls per layer (autograd's `_AllToAll` backward), so the all-to-all time per step is
@@ -30,11 +30,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from adaptive.orchestrator.callbacks import Callback, Control, TrainerState
+from adaptive.engine import moe_layers_with_timers, moe_timer_seconds, start_moe_timers, stop_moe_timers
+from adaptive.orchestrator.contract import Control, TrainerState
+from adaptive.orchestrator.registry import Policy, require
 from adaptive.orchestrator.events import EventLog
 from adaptive.orchestrator.monitor import Monitor
 
-A2A_TIMERS = ("time_falltoall", "time_salltoall")
 SAMPLES = 20  # the recommendation uses the median share of the recent timed steps
 
 
@@ -45,6 +46,13 @@ class EPAdviceConfig:
     low_share: float = 0.05
     tight_fraction: float = 0.9
     vio_high: float = 1.0
+
+    def __post_init__(self) -> None:
+        require(self.sample_every >= 1, f"sample_every must be >= 1, got {self.sample_every}")
+        require(0 <= self.low_share <= self.high_share <= 1, "need 0 <= low_share <= high_share <= 1, got "
+                f"{self.low_share} and {self.high_share}")
+        require(0 < self.tight_fraction <= 1, f"tight_fraction must be in (0, 1], got {self.tight_fraction}")
+        require(self.vio_high > 0, f"vio_high must be positive, got {self.vio_high}")
 
 
 @dataclass(frozen=True)
@@ -96,14 +104,7 @@ def recommend_ep_size(current: int, num_experts: int, world_size: int, a2a_share
     return Recommendation(current, f"{share}: keep ep_size {current}{note}")
 
 
-def moe_layers_with_timers(model: Any) -> list[Any]:
-    """DeepSpeed's MOELayer modules (they carry the all-to-all timers)."""
-    if model is None:
-        return []
-    return [m for m in model.modules() if hasattr(m, "wall_clock_breakdown") and hasattr(m, "time_falltoall")]
-
-
-class EPAdvicePolicy(Callback):
+class EPAdvicePolicy:
     name = "ep"
 
     def __init__(self, monitor: Monitor, events: EventLog, config: EPAdviceConfig | None = None) -> None:
@@ -128,10 +129,7 @@ class EPAdvicePolicy(Callback):
         every = self.config.sample_every
         if not self.layers or every <= 0 or (state.step + 1) % every:
             return
-        for layer in self.layers:
-            for timer in layer.timers.get_timers().values():
-                timer.reset()
-            layer.wall_clock_breakdown = True
+        start_moe_timers(self.layers)
         self._sampling = True
         self._started = time.perf_counter()
 
@@ -142,15 +140,13 @@ class EPAdvicePolicy(Callback):
         if not self._sampling:
             return
         seconds = time.perf_counter() - self._started
-        forward_a2a = sum(getattr(layer, name) for layer in self.layers for name in A2A_TIMERS) / 1000.0
-        moe = sum(layer.time_moe for layer in self.layers) / 1000.0
+        forward_a2a, moe = moe_timer_seconds(self.layers)
         self._stop()
         self.samples.append({"step": state.step, "step_seconds": seconds, "a2a_seconds": 2 * forward_a2a,
                              "moe_forward_seconds": moe, "a2a_share": min(1.0, 2 * forward_a2a / seconds)})
 
     def _stop(self) -> None:
-        for layer in self.layers:
-            layer.wall_clock_breakdown = False
+        stop_moe_timers(self.layers)
         self._sampling = False
 
     def a2a_share(self) -> float | None:
@@ -181,5 +177,8 @@ class EPAdvicePolicy(Callback):
                 "command": rec.command if rec else None}
 
 
-__all__ = ["EPAdviceConfig", "EPAdvicePolicy", "Recommendation", "moe_layers_with_timers", "recommend_ep_size",
+
+POLICY = Policy(name="ep", config=EPAdviceConfig, build=EPAdvicePolicy)
+
+__all__ = ["EPAdviceConfig", "EPAdvicePolicy", "Recommendation", "recommend_ep_size",
            "replan_command", "valid_ep_sizes"]

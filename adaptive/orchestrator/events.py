@@ -34,7 +34,7 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
-from adaptive.orchestrator.callbacks import Callback, Control, TrainerState
+from adaptive.orchestrator.contract import Control, TrainerState
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class EventLog:
             f.write(json.dumps(record) + "\n")
 
 
-class EventSummary(Callback):
+class EventSummary:
     """The orchestrator's last callback: opens the log at the start, writes the summary at the end."""
 
     name = "summary"

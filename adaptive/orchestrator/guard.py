@@ -22,7 +22,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from adaptive.orchestrator.callbacks import Callback, Control, TrainerState
+from adaptive.orchestrator.registry import Policy, require
+from adaptive.orchestrator.contract import Control, TrainerState
 from adaptive.orchestrator.events import EventLog
 from adaptive.orchestrator.monitor import Monitor
 
@@ -38,8 +39,17 @@ class GuardConfig:
     min_history: int = 5
     max_rollbacks: int = 3
 
+    def __post_init__(self) -> None:
+        require(1 <= self.bad_steps <= self.window, f"need 1 <= bad_steps <= window, got {self.bad_steps} and {self.window}")
+        require(0 < self.lr_factor <= 1, f"lr_factor must be in (0, 1], got {self.lr_factor}")
+        require(self.lr_steps >= 0, f"lr_steps must be >= 0, got {self.lr_steps}")
+        require(self.spike_ratio > 1, f"spike_ratio must be > 1, got {self.spike_ratio}")
+        require(1 <= self.min_history <= self.history, "need 1 <= min_history <= history, got "
+                f"{self.min_history} and {self.history}")
+        require(self.max_rollbacks >= 0, f"max_rollbacks must be >= 0, got {self.max_rollbacks}")
 
-class GuardPolicy(Callback):
+
+class GuardPolicy:
     name = "guard"
 
     def __init__(self, monitor: Monitor, events: EventLog, config: GuardConfig | None = None) -> None:
@@ -110,9 +120,7 @@ class GuardPolicy(Callback):
             return
         control.rollback_to_checkpoint = True
         self.rollbacks += 1
-        from adaptive.train.checkpoint import checkpoint_step
-
-        target = checkpoint_step(checkpoint)
+        target = state.last_checkpoint_step
         self.cool_until = target + cfg.lr_steps
         self.losses = []
         self.events.record(state.step, self.name, "rollback", f"{cfg.bad_steps} bad steps within {cfg.window} "
@@ -124,5 +132,8 @@ class GuardPolicy(Callback):
     def summary(self) -> dict[str, Any]:
         return {"skips": self.skips, "spikes": self.spikes, "rollbacks": self.rollbacks}
 
+
+
+POLICY = Policy(name="guard", config=GuardConfig, build=GuardPolicy)
 
 __all__ = ["GuardConfig", "GuardPolicy"]

@@ -39,18 +39,24 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from typing import TYPE_CHECKING
 
-from adaptive.orchestrator.callbacks import Callback, Control, TrainerState
+if TYPE_CHECKING:  # torch only where a policy runs: its config stays importable without it
+    import torch
+
+from adaptive.orchestrator.registry import require
+from adaptive.orchestrator.contract import Control, TrainerState
 
 
 def world_size() -> int:
+    import torch
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum over every rank, in place (a no-op for one process)."""
+    import torch
     if world_size() > 1:
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
     return tensor
@@ -62,6 +68,9 @@ HISTORY = 100  # summaries kept in memory
 @dataclass(frozen=True)
 class MonitorConfig:
     every: int = 0  # summarise every N optimizer steps; 0: on the loop's log steps (--log-every)
+
+    def __post_init__(self) -> None:
+        require(self.every >= 0, f"every must be >= 0, got {self.every}")
 
 
 @dataclass(frozen=True)
@@ -140,7 +149,7 @@ class _Layout:
         self.size = offset
 
 
-class Monitor(Callback):
+class Monitor:
     """Accumulates router and loss signals on the device; `latest` holds the last summary."""
 
     name = "monitor"
@@ -182,6 +191,7 @@ class Monitor(Callback):
 
     def on_backward_end(self, state: TrainerState, control: Control, *, outputs: Any, loss: Any,
                         batch: dict[str, Any]) -> None:
+        import torch
         stats = getattr(outputs, "router_stats", None)
         if self._step is None:
             self._allocate(stats, loss.device)
@@ -217,6 +227,7 @@ class Monitor(Callback):
     # --- internals ------------------------------------------------------------------------
 
     def _allocate(self, stats: Any, device: torch.device) -> None:
+        import torch
         counts = getattr(stats, "expert_counts", None)
         skip = getattr(stats, "mod_skip_rate", None)
         layers, experts = tuple(counts.shape) if counts is not None else (0, 0)
@@ -267,6 +278,7 @@ class Monitor(Callback):
 
     def _memory_peak(self, metrics: dict[str, Any] | None) -> int | None:
         """The loop's CUDA peak of this interval, the largest over ranks (so every rank decides alike)."""
+        import torch
         memory = (metrics or {}).get("memory") or None
         if not memory:
             return None

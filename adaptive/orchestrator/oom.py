@@ -32,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from adaptive.orchestrator.callbacks import Callback, Control, Knobs, TrainerState
+from adaptive.orchestrator.registry import Policy, require
+from adaptive.orchestrator.contract import Control, Knobs, TrainerState
 from adaptive.orchestrator.events import EventLog
 
 
@@ -42,6 +43,10 @@ class OOMConfig:
     min_seq_len: int | None = None  # rung 3 (halve the sequence) allowed down to this length; None: never
     checkpoint_after_change: bool = True
     max_retries: int = 4  # per step
+
+    def __post_init__(self) -> None:
+        require(self.min_seq_len is None or self.min_seq_len >= 1, f"min_seq_len must be >= 1, got {self.min_seq_len}")
+        require(self.max_retries >= 0, f"max_retries must be >= 0, got {self.max_retries}")
 
 
 def next_rung(knobs: Knobs, config: OOMConfig) -> tuple[str, dict[str, Any]] | None:
@@ -70,7 +75,7 @@ def shorter_seq_len(knobs: Knobs, min_seq_len: int | None) -> int | None:
     return half
 
 
-class OOMPolicy(Callback):
+class OOMPolicy:
     name = "oom"
 
     def __init__(self, events: EventLog, config: OOMConfig | None = None) -> None:
@@ -83,7 +88,7 @@ class OOMPolicy(Callback):
         knobs = state.knobs
         signals = {"error": f"{type(error).__name__}: {str(error)[:200]}", "micro_step": state.micro_step,
                    "attempt": state.attempt}
-        before = {k: getattr(knobs, k) for k in Knobs.RUNTIME}
+        before = {k: getattr(knobs, k) for k in knobs.RUNTIME}
         if state.attempt >= self.config.max_retries:
             self.events.record(state.step + 1, self.name, "give_up", f"{state.attempt} retries of this step",
                                signals=signals, before=before, after=before)
@@ -113,5 +118,8 @@ class OOMPolicy(Callback):
     def summary(self) -> dict[str, Any]:
         return {"changes": self.changes}
 
+
+
+POLICY = Policy(name="oom", config=OOMConfig, build=lambda monitor, events, config: OOMPolicy(events, config))
 
 __all__ = ["OOMConfig", "OOMPolicy", "next_rung", "shorter_seq_len"]

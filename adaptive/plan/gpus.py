@@ -28,6 +28,7 @@ class GPU:
     price_per_hour: float  # USD per GPU hour, default; override with --price
     mfu: float  # stated MFU assumption for a plain data-parallel run (see throughput.py)
     vendor: str = "nvidia"
+    aliases: tuple[str, ...] = ()  # other names people type for it (lower case)
 
     @property
     def memory_gib(self) -> float:
@@ -38,43 +39,52 @@ class GPU:
 # H100. We assume less than the best published numbers for a HF-style model under DeepSpeed:
 # 0.45 on A100-class, 0.38 on Hopper/Blackwell (harder to feed), 0.35 on GeForce/Ada, 0.25 on
 # T4 (fp16, small caches), 0.30 on MI300X (ROCm kernels). Override with --mfu.
-CATALOG: dict[str, GPU] = {
-    g.name: g
-    for g in (
-        GPU("t4-16gb", 15360 * MiB, 65.0, False, 320, "PCIe 3.0 x16", 16, 0.35, 0.25),
-        GPU("rtx3090-24gb", 24576 * MiB, 71.0, True, 936, "PCIe 4.0 x16", 25, 0.22, 0.35),
-        GPU("rtx4090-24gb", 24564 * MiB, 165.0, True, 1008, "PCIe 4.0 x16 (no P2P)", 20, 0.34, 0.35),
-        # A10G: 125 TFLOP/s on the datasheet, ~70 seen in practice; the MFU below is against 125.
-        GPU("a10g-24gb", 23028 * MiB, 125.0, True, 600, "PCIe 4.0 x16", 25, 1.01, 0.25),
-        GPU("l4-24gb", 23034 * MiB, 121.0, True, 300, "PCIe 4.0 x16", 25, 0.70, 0.30),
-        GPU("l40s-48gb", 46068 * MiB, 362.0, True, 864, "PCIe 4.0 x16", 25, 0.86, 0.35),
-        GPU("a100-40gb", 40960 * MiB, 312.0, True, 1555, "NVLink 3 (600 GB/s)", 300, 1.29, 0.45),
-        GPU("a100-80gb", 81920 * MiB, 312.0, True, 2039, "NVLink 3 (600 GB/s)", 300, 1.79, 0.45),
-        GPU("h100-80gb", 81559 * MiB, 989.0, True, 3350, "NVLink 4 (900 GB/s)", 450, 2.99, 0.38),
-        GPU("h100-pcie-80gb", 81559 * MiB, 756.0, True, 2000, "PCIe 5.0 x16", 50, 2.49, 0.38),
-        GPU("h200-141gb", 143771 * MiB, 989.0, True, 4800, "NVLink 4 (900 GB/s)", 450, 3.79, 0.38),
-        GPU("b200-180gb", 183359 * MiB, 2250.0, True, 8000, "NVLink 5 (1800 GB/s)", 900, 5.99, 0.38),
-        GPU("mi300x-192gb", 196592 * MiB, 1307.0, True, 5300, "Infinity Fabric (896 GB/s)", 448, 2.99, 0.30,
-            vendor="amd"),
-    )
-}
-
-# Names people type for a catalog entry.
-ALIASES: dict[str, str] = {
-    "t4": "t4-16gb",
-    "3090": "rtx3090-24gb", "rtx3090": "rtx3090-24gb",
-    "4090": "rtx4090-24gb", "rtx4090": "rtx4090-24gb",
-    "a10g": "a10g-24gb", "a10": "a10g-24gb",
-    "l4": "l4-24gb",
-    "l40s": "l40s-48gb",
-    "a100": "a100-40gb", "a100-40g": "a100-40gb", "a100-sxm4-40gb": "a100-40gb",
-    "a100-80g": "a100-80gb", "a100-sxm4-80gb": "a100-80gb",
-    "h100": "h100-80gb", "h100-sxm": "h100-80gb", "h100-sxm-80gb": "h100-80gb", "h100-sxm5-80gb": "h100-80gb",
-    "h100-pcie": "h100-pcie-80gb",
-    "h200": "h200-141gb", "h200-sxm": "h200-141gb",
-    "b200": "b200-180gb",
-    "mi300x": "mi300x-192gb", "mi300": "mi300x-192gb",
-}
+#
+# One row per GPU, keyword arguments; `aliases` are the other names people type for it.
+_ROWS = (
+    GPU(name="t4-16gb", memory_bytes=15360 * MiB, peak_tflops=65.0, bf16=False,
+        memory_bandwidth_gbps=320, link="PCIe 3.0 x16", link_gbps=16,
+        price_per_hour=0.35, mfu=0.25, aliases=('t4',)),
+    GPU(name="rtx3090-24gb", memory_bytes=24576 * MiB, peak_tflops=71.0, bf16=True,
+        memory_bandwidth_gbps=936, link="PCIe 4.0 x16", link_gbps=25,
+        price_per_hour=0.22, mfu=0.35, aliases=('3090', 'rtx3090')),
+    GPU(name="rtx4090-24gb", memory_bytes=24564 * MiB, peak_tflops=165.0, bf16=True,
+        memory_bandwidth_gbps=1008, link="PCIe 4.0 x16 (no P2P)", link_gbps=20,
+        price_per_hour=0.34, mfu=0.35, aliases=('4090', 'rtx4090')),
+    # A10G: 125 TFLOP/s on the datasheet, ~70 seen in practice; the MFU below is against 125.
+    GPU(name="a10g-24gb", memory_bytes=23028 * MiB, peak_tflops=125.0, bf16=True,
+        memory_bandwidth_gbps=600, link="PCIe 4.0 x16", link_gbps=25,
+        price_per_hour=1.01, mfu=0.25, aliases=('a10g', 'a10')),
+    GPU(name="l4-24gb", memory_bytes=23034 * MiB, peak_tflops=121.0, bf16=True,
+        memory_bandwidth_gbps=300, link="PCIe 4.0 x16", link_gbps=25,
+        price_per_hour=0.70, mfu=0.30, aliases=('l4',)),
+    GPU(name="l40s-48gb", memory_bytes=46068 * MiB, peak_tflops=362.0, bf16=True,
+        memory_bandwidth_gbps=864, link="PCIe 4.0 x16", link_gbps=25,
+        price_per_hour=0.86, mfu=0.35, aliases=('l40s',)),
+    GPU(name="a100-40gb", memory_bytes=40960 * MiB, peak_tflops=312.0, bf16=True,
+        memory_bandwidth_gbps=1555, link="NVLink 3 (600 GB/s)", link_gbps=300,
+        price_per_hour=1.29, mfu=0.45, aliases=('a100', 'a100-40g', 'a100-sxm4-40gb')),
+    GPU(name="a100-80gb", memory_bytes=81920 * MiB, peak_tflops=312.0, bf16=True,
+        memory_bandwidth_gbps=2039, link="NVLink 3 (600 GB/s)", link_gbps=300,
+        price_per_hour=1.79, mfu=0.45, aliases=('a100-80g', 'a100-sxm4-80gb')),
+    GPU(name="h100-80gb", memory_bytes=81559 * MiB, peak_tflops=989.0, bf16=True,
+        memory_bandwidth_gbps=3350, link="NVLink 4 (900 GB/s)", link_gbps=450,
+        price_per_hour=2.99, mfu=0.38, aliases=('h100', 'h100-sxm', 'h100-sxm-80gb', 'h100-sxm5-80gb')),
+    GPU(name="h100-pcie-80gb", memory_bytes=81559 * MiB, peak_tflops=756.0, bf16=True,
+        memory_bandwidth_gbps=2000, link="PCIe 5.0 x16", link_gbps=50,
+        price_per_hour=2.49, mfu=0.38, aliases=('h100-pcie',)),
+    GPU(name="h200-141gb", memory_bytes=143771 * MiB, peak_tflops=989.0, bf16=True,
+        memory_bandwidth_gbps=4800, link="NVLink 4 (900 GB/s)", link_gbps=450,
+        price_per_hour=3.79, mfu=0.38, aliases=('h200', 'h200-sxm')),
+    GPU(name="b200-180gb", memory_bytes=183359 * MiB, peak_tflops=2250.0, bf16=True,
+        memory_bandwidth_gbps=8000, link="NVLink 5 (1800 GB/s)", link_gbps=900,
+        price_per_hour=5.99, mfu=0.38, aliases=('b200',)),
+    GPU(name="mi300x-192gb", memory_bytes=196592 * MiB, peak_tflops=1307.0, bf16=True,
+        memory_bandwidth_gbps=5300, link="Infinity Fabric (896 GB/s)", link_gbps=448,
+        price_per_hour=2.99, mfu=0.30, vendor="amd", aliases=('mi300x', 'mi300')),
+)
+CATALOG: dict[str, GPU] = {g.name: g for g in _ROWS}
+ALIASES: dict[str, str] = {alias: g.name for g in _ROWS for alias in g.aliases}
 
 
 def _normalise(name: str) -> str:
@@ -106,7 +116,8 @@ def custom_gpu(base: GPU | None, memory_gib: float | None, tflops: float | None,
                                 "or a custom GPU with --gpu-mem GIB --gpu-tflops T")
         if memory_gib is None or tflops is None:
             raise AdaptiveError("a custom GPU needs both --gpu-mem (GiB) and --gpu-tflops; or give --gpu NAME")
-        base = GPU("custom", 0, 0.0, True, 1000, "PCIe 4.0 x16", 25, 0.0, 0.35)
+        base = GPU(name="custom", memory_bytes=0, peak_tflops=0.0, bf16=True, memory_bandwidth_gbps=1000,
+                   link="PCIe 4.0 x16", link_gbps=25, price_per_hour=0.0, mfu=0.35)
         name = f"custom-{memory_gib:g}gib"
     else:
         name = base.name if memory_gib is None and tflops is None else f"{base.name}*"

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from adaptive.errors import AdaptiveError, unknown
+from adaptive.plan.blocks import block_type
 from adaptive.plan.presets import (ARCHS, DEFAULT_MOD_CAPACITY, DEFAULT_NUM_EXPERTS, DEFAULT_TOP_K,
                                     ModelSpec, layer_pattern)
 
@@ -127,12 +128,12 @@ def spec_from_hf_config(path: str | Path, arch: str | None = None) -> ModelSpec:
     if arch == "dense":
         return ModelSpec(arch="dense", layer_types=("dense",) * layers, **common)
     # A dense HF shape planned as our MoE/MoD/hybrid variant of it.
-    moe = arch in ("moe", "hybrid")
+    moe = block_type(arch).has_experts
     return ModelSpec(arch=arch, layer_types=layer_pattern(arch, layers),
                      num_local_experts=DEFAULT_NUM_EXPERTS if moe else 0,
                      num_experts_per_tok=DEFAULT_TOP_K if moe else 0,
                      moe_intermediate_size=common["intermediate_size"] if moe else 0,
-                     mod_capacity=DEFAULT_MOD_CAPACITY if arch in ("mod", "hybrid") else 1.0, **common)
+                     mod_capacity=DEFAULT_MOD_CAPACITY if block_type(arch).routed else 1.0, **common)
 
 
 def _spec_from_adaptive_config(cfg: dict, path: str) -> ModelSpec:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from adaptive.plan.blocks import block_type
 from adaptive.plan.presets import ModelSpec
 
 
@@ -59,9 +60,10 @@ def layer_params(s: ModelSpec, layer_type: str) -> tuple[int, int, int]:
     """(total, active, expert) params of one decoder layer of `layer_type`."""
     norms = 2 * s.hidden_size
     base = attention_params(s) + norms
-    if layer_type in ("mod", "hybrid"):
+    kind = block_type(layer_type)
+    if kind.routed:
         base += mod_router_params(s)
-    if layer_type in ("moe", "hybrid"):
+    if kind.has_experts:
         experts = s.num_local_experts * expert_params(s)
         shared = router_params(s) + shared_expert_params(s)
         active = base + shared + s.num_experts_per_tok * expert_params(s)

@@ -11,9 +11,10 @@ import math
 from dataclasses import asdict, dataclass
 
 from adaptive.errors import AdaptiveError, unknown
+from adaptive.plan.blocks import BLOCK_TYPES, block_type
 
 ARCHS = ("dense", "moe", "mod", "hybrid")
-LAYER_TYPES = ("dense", "moe", "mod", "hybrid")  # hybrid = MoD-routed block with an MoE MLP
+LAYER_TYPES = tuple(BLOCK_TYPES)  # the registry in blocks.py
 
 
 @dataclass(frozen=True)
@@ -104,19 +105,19 @@ class ModelSpec:
 
     @property
     def is_moe(self) -> bool:
-        return any(t in ("moe", "hybrid") for t in self.layer_types)
+        return any(block_type(t).has_experts for t in self.layer_types)
 
     @property
     def is_mod(self) -> bool:
-        return any(t in ("mod", "hybrid") for t in self.layer_types)
+        return any(block_type(t).routed for t in self.layer_types)
 
     @property
     def num_moe_layers(self) -> int:
-        return sum(t in ("moe", "hybrid") for t in self.layer_types)
+        return sum(block_type(t).has_experts for t in self.layer_types)
 
     @property
     def num_mod_layers(self) -> int:
-        return sum(t in ("mod", "hybrid") for t in self.layer_types)
+        return sum(block_type(t).routed for t in self.layer_types)
 
     def mod_tokens(self, seq_len: int) -> int:
         """Tokens a routed block processes per sequence: exactly ceil(capacity * seq)."""
@@ -135,8 +136,8 @@ def layer_pattern(arch: str, num_layers: int, moe_layer_freq: int = DEFAULT_MOE_
         raise unknown("arch", arch, ARCHS)
     types = []
     for i in range(num_layers):
-        moe = arch in ("moe", "hybrid") and i % moe_layer_freq == moe_layer_freq - 1
-        mod = arch in ("mod", "hybrid") and i % mod_layer_freq == mod_layer_freq - 1
+        moe = block_type(arch).has_experts and i % moe_layer_freq == moe_layer_freq - 1
+        mod = block_type(arch).routed and i % mod_layer_freq == mod_layer_freq - 1
         types.append("hybrid" if moe and mod else "moe" if moe else "mod" if mod else "dense")
     return tuple(types)
 
@@ -147,8 +148,7 @@ def spec_from_shape(shape: Shape, arch: str = "dense", *, num_experts: int = DEF
                     mod_layer_freq: int = DEFAULT_MOD_LAYER_FREQ) -> ModelSpec:
     """A dense shape turned into `arch`. Experts are Mixtral-style: each as wide as the dense FFN."""
     validate_arch_knobs(num_experts, top_k, mod_capacity, moe_layer_freq, mod_layer_freq)
-    moe = arch in ("moe", "hybrid")
-    mod = arch in ("mod", "hybrid")
+    moe, mod = block_type(arch).has_experts, block_type(arch).routed
     return ModelSpec(
         name=shape.name,
         arch=arch,

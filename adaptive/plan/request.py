@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from adaptive.config.run import RunConfig
 from adaptive.errors import AdaptiveError, require_positive
 from adaptive.plan.calibration import load as load_calibration
 from adaptive.plan.gpus import GiB, GPU, custom_gpu, get_gpu
@@ -60,3 +61,16 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         kernels=kernels or default_kernels(spec),
         checkpointing=checkpoint_policy,
     )
+
+
+def request_from_config(config: RunConfig, *, model: str = "b7", calibrate: str | None = None) -> FitRequest:
+    """The planner's request for a run configuration; `model` when it names none (fit's default)."""
+    m, hw, d, par = config.model, config.hardware, config.data, config.parallelism
+    return make_request(
+        model=m.name or model, gpu=hw.gpu, arch=m.arch, gpus=hw.gpus or 1, nodes=hw.nodes or 1,
+        seq_len=d.seq_len or 2048, min_seq_len=d.min_seq_len, global_batch_tokens=config.schedule.global_batch_tokens,
+        tokens=config.schedule.tokens, zero=par.zero, offload=par.offload, micro_batch=par.micro_batch,
+        grad_accum=par.grad_accum, checkpointing=config.checkpointing.gradient_checkpointing, ep_size=par.ep_size,
+        capacity_factor=m.capacity_factor, mod_capacity=m.mod_capacity, mfu=hw.mfu, price=hw.price,
+        host_mem_gib=hw.host_mem, gpu_mem_gib=hw.gpu_mem, gpu_tflops=hw.gpu_tflops, calibrate=calibrate,
+        kernels=m.kernels, checkpoint_policy=config.checkpointing.checkpoint_policy)

@@ -12,6 +12,7 @@ from functools import lru_cache
 
 from adaptive.plan.gpus import GPU
 from adaptive.plan.memory import TrainSetup
+from adaptive.plan.blocks import block_type
 from adaptive.plan.params import count_params, expert_params, layer_params, mod_router_params
 from adaptive.plan.presets import ModelSpec
 
@@ -49,7 +50,7 @@ def model_flops_per_token(s: ModelSpec, seq_len: int) -> float:
     for t in s.layer_types:
         _, active, _ = layer_params(s, t)
         matmul = active - 2 * s.hidden_size  # RMSNorm weights do no matmul
-        if t in ("mod", "hybrid"):
+        if block_type(t).routed:
             k = math.ceil(s.mod_capacity * seq_len)
             frac = k / seq_len
             router = mod_router_params(s)

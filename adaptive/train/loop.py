@@ -38,8 +38,9 @@ from typing import Any
 import torch
 from accelerate.logging import get_logger
 
+from adaptive import engine as engine_internals
 from adaptive.errors import AdaptiveError
-from adaptive.orchestrator.callbacks import CallbackList, Control, Knobs, TrainerState
+from adaptive.train.callbacks import CallbackList, Control, Knobs, TrainerState
 from adaptive.train import checkpoint as ckpt
 from adaptive.train.data import SampleIterator, eval_batches
 from adaptive.train.display import ProgressDisplay
@@ -191,11 +192,11 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
     norm = None
     state.last_skip = "discarded" if skip else None
     if skip:
-        discard_gradients(engine, _probe(step_batch, loop.device))
+        engine_internals.discard_gradients(engine, _probe(step_batch, loop.device))
         state.skipped_steps += 1
         logger.warning("step %d skipped: gradients discarded (non-finite loss or a callback asked)", state.step + 1)
     else:
-        if log_step and not _engine_reports_norm(engine):
+        if log_step and not engine_internals.reports_grad_norm(engine):
             norm = _local_grad_norm(engine)
         engine.step()
         if engine.was_step_applied():
@@ -205,7 +206,7 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
             state.last_skip = "overflow"
     state.scheduler.step()
     _apply_lr_scale(state, loop)
-    state.last_grad_norm = None if skip else (norm if norm is not None else _reported_norm(engine))
+    state.last_grad_norm = None if skip else (norm if norm is not None else engine_internals.reported_grad_norm(engine))
     return stats
 
 
@@ -310,7 +311,7 @@ def save(state: TrainerState, control: Control, loop: Loop) -> Path:
     }
     path = ckpt.save_checkpoint(state.accelerator, state.output_dir, state.step, trainer_state,
                                 loop.settings.keep_checkpoints)
-    state.last_checkpoint = path
+    state.last_checkpoint, state.last_checkpoint_step = path, state.step
     loop.callbacks.on_checkpoint(state, control, path=path)
     return path
 
@@ -394,8 +395,7 @@ def apply_knob_changes(state: TrainerState, control: Control, loop: Loop) -> Non
     if (new.micro_batch_size, new.gradient_accumulation_steps) != (old.micro_batch_size,
                                                                    old.gradient_accumulation_steps):
         # DeepSpeed's own counters (samples, throughput); the loop runs the accumulation itself
-        engine.set_train_micro_batch_size(new.micro_batch_size)
-        engine.set_train_batch_size(new.sequences_per_step * engine.dp_world_size)
+        engine_internals.set_batch_sizes(engine, new.micro_batch_size, new.sequences_per_step)
     if new.gradient_checkpointing != old.gradient_checkpointing:
         model = state.accelerator.unwrap_model(engine)
         if new.gradient_checkpointing:
@@ -452,7 +452,7 @@ def restore(state: TrainerState, loop: Loop, path: Path) -> None:
     state.step, state.tokens_seen = saved["step"], saved["tokens_seen"]
     state.skipped_steps, state.lr_scale = saved["skipped_steps"], saved["lr_scale"]
     state.samples_seen = saved["samples_seen"][state.accelerator.process_index]
-    state.last_checkpoint = Path(path)
+    state.last_checkpoint, state.last_checkpoint_step = Path(path), state.step
     control = Control(change_knobs={k: getattr(knobs, k) for k in Knobs.RUNTIME})
     apply_knob_changes(state, control, loop)
     _apply_lr_scale(state, loop, force=True)
@@ -477,43 +477,16 @@ def write_run_files(state: TrainerState, loop: Loop) -> None:
 # DeepSpeed details
 
 
-def discard_gradients(engine: Any, probe: dict[str, torch.Tensor]) -> None:
-    """Drop every gradient accumulated since the last optimizer step, without updating (all ranks)."""
-    if not hasattr(engine.optimizer, "overflow"):  # fp32 ZeRO-0: the torch optimizer, grads in .grad
-        engine.zero_grad()
-        return
-    # Backpropagate a NaN through a one-sample probe at the boundary: the gradient becomes
-    # non-finite everywhere, and DeepSpeed's overflow check skips the update and clears its buffers.
-    engine.set_gradient_accumulation_boundary(True)
-    out = engine(**probe)
-    engine.backward(out.loss * float("nan"), scale_wrt_gas=False)
-    engine.step()
-    if engine.was_step_applied():
-        raise RuntimeError("DeepSpeed applied a step with non-finite gradients (bf16 with check_grad_overflow "
-                           "off?); enable bf16.check_grad_overflow to let the loop skip steps")
-
-
 def recover_from_oom(state: TrainerState, loop: Loop, step_batch: dict[str, torch.Tensor]) -> None:
     gc.collect()
     if loop.device.type == "cuda":
         torch.cuda.empty_cache()
-    discard_gradients(state.model, _probe(step_batch, loop.device))
+    engine_internals.discard_gradients(state.model, _probe(step_batch, loop.device))
 
 
 def _probe(step_batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     n = min(16, step_batch["input_ids"].shape[1])  # the first tokens of one block: valid at any seq_len
     return {k: v[:1, :n].to(device) for k, v in step_batch.items()}
-
-
-def _engine_reports_norm(engine: Any) -> bool:
-    return hasattr(engine.optimizer, "_global_grad_norm")
-
-
-def _reported_norm(engine: Any) -> float | None:
-    norm = engine.get_global_grad_norm()
-    if norm is None:
-        return None
-    return float(norm.item() if hasattr(norm, "item") else norm)
 
 
 def _local_grad_norm(engine: Any) -> float:
@@ -585,5 +558,5 @@ class _stop_on_sigterm:
 
 
 __all__ = ["EXPORT_REQUEST", "FINAL_EXPORT", "Loop", "LoopSettings", "STOP_REQUEST", "apply_knob_changes",
-           "discard_gradients", "evaluate", "maybe_checkpoint", "maybe_evaluate", "restore", "rollback", "save",
+           "evaluate", "maybe_checkpoint", "maybe_evaluate", "restore", "rollback", "save",
            "step_once", "train", "train_step", "write_run_files"]

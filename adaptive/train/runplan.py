@@ -31,8 +31,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from adaptive.config.run import RunConfig
 from adaptive.errors import AdaptiveError
-from adaptive.orchestrator.callbacks import Knobs
+from adaptive.train.callbacks import Knobs
 from adaptive.plan import GPU, Plan, fit, get_gpu, make_request
 from adaptive.plan.emit import GRADIENT_CLIPPING, ds_config
 from adaptive.plan.gpus import match_detected_gpu
@@ -264,38 +265,45 @@ def _merge_pin(name: str, flag: Any, pinned: Any, source: DeepSpeedSource) -> An
     return flag if flag is not None else pinned
 
 
-def plan_run(args: Any, world: World, device: Device, env: dict[str, str] | None = None) -> RunPlan:
-    """Plan the run for `args` (entry.RunArgs) on `world` x `device`."""
+def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: Device,
+             env: dict[str, str] | None = None) -> RunPlan:
+    """Plan the run of `preset` as `arch` with `config`'s options on `world` x `device`."""
     env = dict(os.environ) if env is None else env
-    source = deepspeed_source(args.ds_config, env)
+    par = config.parallelism
+    source = deepspeed_source(par.ds_config, env)
     pins = source.pins or {}
     cpu = device.kind == "cpu"
-    zero = _merge_pin("zero", args.zero, pins.get("zero"), source)
-    offload = _merge_pin("offload", args.offload, pins.get("offload"), source)
-    micro = _merge_pin("micro_batch", args.micro_batch, pins.get("micro_batch"), source)
-    accum = _merge_pin("grad_accum", args.grad_accum, pins.get("grad_accum"), source)
-    seq = args.seq_len or (CPU_SEQ_LEN if cpu else GPU_SEQ_LEN)
-    checkpointing, ep_size = args.checkpointing, args.ep_size
+    zero = _merge_pin("zero", par.zero, pins.get("zero"), source)
+    offload = _merge_pin("offload", par.offload, pins.get("offload"), source)
+    micro = _merge_pin("micro_batch", par.micro_batch, pins.get("micro_batch"), source)
+    accum = _merge_pin("grad_accum", par.grad_accum, pins.get("grad_accum"), source)
+    seq = config.data.seq_len or (CPU_SEQ_LEN if cpu else GPU_SEQ_LEN)
+    checkpointing, ep_size = config.checkpointing.gradient_checkpointing, par.ep_size
+    policy = config.checkpointing.checkpoint_policy  # off | full | selective | mlp | every:N (planner.py)
     global_tokens = None
     if cpu:
         micro = micro or CPU_MICRO_BATCH
         accum = accum or CPU_GRAD_ACCUM
         offload = offload or "none"
-        checkpointing = bool(checkpointing)
+        checkpointing = bool(checkpointing) if policy is None else checkpointing
         ep_size = ep_size or 1
         global_tokens = micro * accum * seq * world.size
+    gpu = config.hardware.gpu
+    tokens, max_steps = config.schedule.tokens, config.schedule.max_steps
+    if tokens is not None and max_steps is not None:
+        raise AdaptiveError("give --max-steps or --tokens, not both")
     request = make_request(
-        model=args.preset, arch=args.arch, gpu=device.gpu.name if device.gpu else (args.gpu or NOMINAL_GPU),
+        model=preset, arch=arch, gpu=device.gpu.name if device.gpu else (gpu or NOMINAL_GPU),
         gpus=world.per_node, nodes=world.nodes, seq_len=seq, global_batch_tokens=global_tokens,
-        tokens=args.tokens, zero=zero, offload=offload, micro_batch=micro, grad_accum=accum,
-        checkpointing=checkpointing, ep_size=ep_size,
+        tokens=tokens, zero=zero, offload=offload, micro_batch=micro, grad_accum=accum,
+        checkpointing=checkpointing, ep_size=ep_size, checkpoint_policy=policy,
     )
     plan = fit(request, suggest=not cpu)
     if not plan.fits and not cpu:
         hint = f"; would fit: {plan.suggestions[0]}" if plan.suggestions else ""
         raise AdaptiveError(
-            f"{args.preset} {args.arch} does not fit {world.size} x {request.gpu.name} with these settings"
-            f"{hint} (see `adaptive fit --model {args.preset} --arch {args.arch} --gpu {request.gpu.name}`)"
+            f"{preset} {arch} does not fit {world.size} x {request.gpu.name} with these settings"
+            f"{hint} (see `adaptive fit --model {preset} --arch {arch} --gpu {request.gpu.name}`)"
         )
     chosen = plan.shown
     s = chosen.setup
@@ -305,10 +313,10 @@ def plan_run(args: Any, world: World, device: Device, env: dict[str, str] | None
     precision = precision_for(device, source, env)
     base = source.config if source.config is not None else ds_config(s, chosen.grad_accum, request.gpu)
     cfg = finalize_ds_config(base, knobs, world.size, precision, pins.get("clipping"))
-    max_steps = steps_for(args.max_steps, args.tokens, knobs, world.size, plan, cpu)
-    requested = args.orchestrator
+    max_steps = steps_for(max_steps, tokens, knobs, world.size, plan, cpu)
+    requested = config.orchestrator.orchestrator
     enabled = requested == "on" or (requested == "auto" and plan.orchestrator.recommended)
-    return RunPlan(preset=args.preset, arch=args.arch, plan=plan, knobs=knobs, ds_config=cfg, ds_source=source,
+    return RunPlan(preset=preset, arch=arch, plan=plan, knobs=knobs, ds_config=cfg, ds_source=source,
                    precision=precision, device=device, world=world, max_steps=max_steps,
                    orchestrator_requested=requested, orchestrator=enabled)
 

@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
-from adaptive.errors import AdaptiveError
-from adaptive.orchestrator.callbacks import Knobs
+from adaptive.config.run import DataOptions
+from adaptive.engine import moe_param_groups
+from adaptive.plan.blocks import block_type
+from adaptive.train.callbacks import Knobs
 from adaptive.train.runplan import RunPlan
 
 ADAM_BETAS = (0.9, 0.95)  # the user's regime (shared/DESIGN.md)
@@ -96,16 +98,16 @@ class Data:
     eval: Any
 
 
-def load_data(args: Any, run: RunPlan, accelerator: Any, model_vocab_size: int) -> Data:
+def load_data(options: DataOptions, seed: int, run: RunPlan, accelerator: Any, model_vocab_size: int) -> Data:
     """Tokenizer and this rank's train/eval data (rank 0 fills the caches first)."""
     from adaptive.train.data import DataConfig, build_datasets
     from adaptive.train.tokenizer import load_tokenizer, require_fits_vocab
 
-    dataset = resolve_dataset(args.dataset, run.device.kind)
-    cfg = DataConfig(dataset=dataset, seq_len=run.knobs.seq_len, seed=args.seed,
-                     dataset_config=args.dataset_config, text_field=args.text_field)
+    dataset = resolve_dataset(options.dataset, run.device.kind)
+    cfg = DataConfig(dataset=dataset, seq_len=run.knobs.seq_len, seed=seed,
+                     dataset_config=options.dataset_config, text_field=options.text_field)
     with accelerator.main_process_first():
-        tokenizer = load_tokenizer(args.tokenizer)
+        tokenizer = load_tokenizer(options.tokenizer)
         require_fits_vocab(tokenizer, model_vocab_size)
         train, evaluation = build_datasets(cfg, tokenizer, rank=accelerator.process_index,
                                            world_size=accelerator.num_processes)
@@ -129,7 +131,7 @@ def build_model(run: RunPlan, tokenizer: Any, seed: int) -> Any:
 
     knobs = run.knobs
     config = AdaptiveConfig.from_preset(
-        run.preset, arch=run.arch, moe_implementation="deepspeed" if run.arch in ("moe", "hybrid") else "native",
+        run.preset, arch=run.arch, moe_implementation="deepspeed" if block_type(run.arch).has_experts else "native",
         ep_size=knobs.ep_size, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
@@ -165,7 +167,7 @@ def reinit_local_experts(model: Any, seed: int) -> None:
 
 def param_groups(model: Any, weight_decay: float) -> list[dict]:
     """Decay on matrices, none on norms and biases; MoE experts in their own groups (DeepSpeed's
-    split_params_into_different_moe_groups_for_optimizer), as ZeRO with expert parallelism needs."""
+    adaptive.engine.moe_param_groups), as ZeRO with expert parallelism needs."""
     def matrix(p) -> bool:  # under ZeRO-3 init a parameter is a flat partition; ds_shape is its real shape
         return len(getattr(p, "ds_shape", p.shape)) >= 2
 
@@ -174,9 +176,7 @@ def param_groups(model: Any, weight_decay: float) -> list[dict]:
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
     if model.config.moe_layers and model.config.moe_implementation == "deepspeed":
-        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
-        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+        groups = moe_param_groups(groups)
     return [g for g in groups if g["params"]]
 
 
@@ -202,12 +202,9 @@ def default_warmup(max_steps: int) -> int:
     return max(1, min(2000, round(0.05 * max_steps)))
 
 
-def peak_lr(args: Any) -> float:
-    if args.lr is not None:
-        if args.lr <= 0:
-            raise AdaptiveError(f"--lr must be positive, got {args.lr}")
-        return args.lr
-    return DEFAULT_LR.get(args.preset, FALLBACK_LR)
+def peak_lr(lr: float | None, preset: str) -> float:
+    """--lr (the run configuration checked it is positive and finite), else the preset's default."""
+    return lr if lr is not None else DEFAULT_LR.get(preset, FALLBACK_LR)
 
 
 __all__ = ["ADAM_BETAS", "ADAM_EPS", "DEFAULT_LR", "Data", "build_model", "build_optimizer", "build_scheduler",

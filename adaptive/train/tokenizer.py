@@ -120,9 +120,9 @@ def load_tokenizer(name_or_path: str | None, vocab_size: int = DEFAULT_VOCAB_SIZ
 
     None → the built-in byte-level BPE (`vocab_size` tokens at most). Otherwise a local folder or a
     hub name, through `AutoTokenizer.from_pretrained` (`vocab_size` does not apply; check the
-    result against the model with `require_fits_vocab`). A folder that exists wins over a hub name. A tokenizer without a pad token gets eos as
-    pad, and one without bos gets eos as bos (the GPT-2 convention); one without eos is refused,
-    because packing separates documents with it.
+    result against the model with `require_fits_vocab`). A folder that exists wins over a hub name.
+    A tokenizer without a pad token gets eos as pad, and one without bos gets eos as bos (the GPT-2
+    convention); one without eos is refused, because packing separates documents with it.
     """
     if name_or_path is None:
         return build_default_tokenizer(vocab_size)

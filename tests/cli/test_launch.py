@@ -126,9 +126,12 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
 
 
 def test_without_dry_run_the_printed_command_runs_and_its_exit_code_is_returned(tmp_path, monkeypatch):
-    from adaptive.train import launch as launcher
+    from adaptive import launch as launcher
 
-    planned = launcher.plan_launch(launcher.LaunchRequest(recipe=RECIPE, gpu="a100", run_dir=str(tmp_path)))
+    from adaptive.config import RunConfig
+
+    config = RunConfig().replace(gpu="a100", output_dir=str(tmp_path))
+    planned = launcher.plan_launch(launcher.LaunchRequest(recipe=RECIPE, config=config))
     ran = []
     monkeypatch.setattr(launcher.subprocess, "run", lambda cmd, check: ran.append(cmd) or
                         subprocess.CompletedProcess(cmd, 3))

@@ -1,5 +1,6 @@
-"""DeepSpeed MoE without a launcher: the model initialises a single-process group itself (and logs it), then
-still works under deepspeed.initialize (ZeRO-2, MoE parameter groups). Runs in a fresh interpreter, because
+"""DeepSpeed MoE without a launcher: forward() creates nothing and says what to call; the explicit
+`setup_expert_parallel()` initialises a single-process group (and logs it); the model then still works
+under deepspeed.initialize (ZeRO-2, MoE parameter groups). Runs in a fresh interpreter, because
 torch.distributed can be initialised once per process."""
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from adaptive.models import AdaptiveForCausalLM
 torch.manual_seed(0)
 model = AdaptiveForCausalLM(tiny_config("hybrid", moe_implementation="deepspeed"))
 ids = torch.randint(0, 128, (2, 16))
+try:
+    model(ids, labels=ids)
+    refused = ""
+except Exception as err:
+    refused = str(err)
 was_initialised = dist.is_initialized()
+model.setup_expert_parallel()
 first = model(ids, labels=ids).loss.item()
 
 import deepspeed
@@ -39,12 +46,12 @@ for _ in range(4):
     engine.backward(loss)
     engine.step()
     losses.append(loss.item())
-print(json.dumps({"was_initialised": was_initialised, "world": dist.get_world_size(), "first": first,
+print(json.dumps({"refused": refused, "was_initialised": was_initialised, "world": dist.get_world_size(), "first": first,
                   "losses": losses, "log": log.getvalue()}))
 """
 
 
-def test_deepspeed_moe_initialises_torch_distributed_and_survives_deepspeed_initialize():
+def test_deepspeed_moe_forward_creates_nothing_and_setup_initialises_one_process():
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
     env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
@@ -52,7 +59,8 @@ def test_deepspeed_moe_initialises_torch_distributed_and_survives_deepspeed_init
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert not result["was_initialised"]
+    assert "call model.setup_expert_parallel()" in result["refused"]
+    assert not result["was_initialised"], "forward() created a process group"
     assert result["world"] == 1
     assert "initialising a single-process group" in result["log"]
     assert abs(result["losses"][0] - result["first"]) < 1e-5

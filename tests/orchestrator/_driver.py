@@ -18,8 +18,8 @@ import sys
 
 import torch
 
-from adaptive.orchestrator.callbacks import Callback
-from adaptive.train.entry import main
+from adaptive.train.callbacks import Callback
+from adaptive.recipe import main
 from tests.train._driver import Recorder
 
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from types import SimpleNamespace
 
@@ -12,7 +11,7 @@ import torch
 
 from adaptive.errors import AdaptiveError
 from adaptive.orchestrator import POLICY_NAMES, OrchestratorConfig, orchestrator_config, policies
-from adaptive.orchestrator.callbacks import Control, TrainerState
+from adaptive.train.callbacks import Control, TrainerState
 from adaptive.orchestrator.ep_advice import EPAdviceConfig, recommend_ep_size, valid_ep_sizes
 from adaptive.orchestrator.events import EventLog
 from adaptive.orchestrator.guard import GuardConfig, GuardPolicy
@@ -160,7 +159,7 @@ def test_the_guard_counts_a_spike_against_the_median_and_lowers_the_lr_without_a
 def test_the_guard_stops_after_max_rollbacks(tmp_path):
     guard = GuardPolicy(Monitor(), EventLog(), GuardConfig(bad_steps=1, max_rollbacks=1))
     state = TrainerState(max_steps=100, knobs=knobs(), output_dir=tmp_path,
-                         last_checkpoint=tmp_path / "checkpoints" / "step_00000010")
+                         last_checkpoint=tmp_path / "checkpoints" / "step_00000010", last_checkpoint_step=10)
     outcomes = []
     for step in (12, 13):
         state.step, state.last_skip = step, "discarded"
@@ -215,7 +214,7 @@ def test_no_host_sync_between_log_steps():
         dropped_fraction=torch.zeros(len(gates), device="meta"), mod_skip_rate=torch.zeros(2, device="meta"),
         mod_router_agreement=torch.zeros(2, device="meta")))
     chain = policies()
-    from adaptive.orchestrator.callbacks import CallbackList
+    from adaptive.train.callbacks import CallbackList
 
     callbacks = CallbackList(chain)
     state = TrainerState(max_steps=100, knobs=knobs(), output_dir=None, model=model)

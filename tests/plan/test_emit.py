@@ -2,7 +2,6 @@
 
 import json
 
-import pytest
 from deepspeed.runtime.config import DeepSpeedConfig
 
 from adaptive.plan import ARCHS, CATALOG, PRESETS, fit, make_request

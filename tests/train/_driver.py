@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from adaptive.orchestrator.callbacks import Callback
-from adaptive.train.entry import main
+from adaptive.train.callbacks import Callback
+from adaptive.recipe import main
 
 
 class KillAfterCheckpoint(Callback):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from adaptive.errors import AdaptiveError
-from adaptive.orchestrator.callbacks import Callback, CallbackList, Control, Knobs, TrainerState
+from adaptive.train.callbacks import Callback, CallbackList, Control, Knobs, TrainerState
 from tests.train._launch import driver, records, tail
 
 RUN = ["--max-steps", "12", "--log-every", "1", "--checkpoint-every", "4", "--eval-every", "6", "--seq-len", "64",

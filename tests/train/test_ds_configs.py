@@ -10,7 +10,7 @@ import pytest
 
 from adaptive.errors import AdaptiveError
 from adaptive.plan.emit import PRESET_DS_CONFIGS, preset_ds_configs
-from adaptive.train.entry import parse_args
+from adaptive.config.commandline import parse
 from adaptive.train.runplan import Device, World, file_pins, plan_run
 from tests.train._launch import REPO
 from tests._deepspeed_config import DataParallel, single_process_group  # noqa: F401 (fixture)
@@ -51,7 +51,7 @@ def test_accelerate_and_deepspeed_accept_each_preset(name, single_process_group)
     assert plugin.deepspeed_config["bf16"]["enabled"] is True and plugin.deepspeed_config["fp16"]["enabled"] is False
     assert plugin.zero_stage == int(name[4])
     arch = "moe" if "moe" in name else "dense"
-    run = plan_run(parse_args("b1", arch, ["--ds-config", str(path)]), World(8, 8), Device("cuda", _a100()), {})
+    run = plan_run(parse("train", ["--ds-config", str(path)]), "b1", arch, World(8, 8), Device("cuda", _a100()), {})
     assert "auto" not in json.dumps(run.ds_config)
     parsed = DeepSpeedConfig(run.ds_config, mpu=DataParallel(8))
     assert parsed.zero_optimization_stage == int(name[4]) and parsed.bfloat16_config.enabled
@@ -61,7 +61,7 @@ def test_accelerate_and_deepspeed_accept_each_preset(name, single_process_group)
 def test_moe_is_refused_on_zero_3():
     for name in ("zero3", "zero3_offload_all"):
         with pytest.raises(AdaptiveError, match="impossible for MoE"):
-            plan_run(parse_args("b1", "moe", ["--ds-config", str(FOLDER / f"{name}.json")]), World(8, 8),
+            plan_run(parse("train", ["--ds-config", str(FOLDER / f"{name}.json")]), "b1", "moe", World(8, 8),
                      Device("cuda", _a100()), {})
 
 

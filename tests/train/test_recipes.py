@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from adaptive.recipe import Recipe, load_recipe
 
 from adaptive.plan import ARCHS
 from tests.train._launch import REPO, accelerate_launch, launch_env, records, tail
@@ -38,10 +39,10 @@ def test_there_is_one_recipe_per_preset_and_arch_and_each_names_them():
     for path in RECIPES:
         preset, arch = path.stem.rsplit("_", 1)
         text = path.read_text()
-        assert f'main(preset="{preset}", arch="{arch}")' in text
+        assert load_recipe(path) == Recipe(model=preset, arch=arch)  # the declaration launch reads
         assert "accelerate launch" in text.split('"""')[1]  # the docstring gives the command
         code = [line for line in text.split('"""')[2].splitlines() if line.strip()]
-        assert len(code) == 3, code  # import, __main__ guard, main(preset, arch): nothing else
+        assert len(code) == 4, code  # import, the declaration, __main__ guard, recipe.main(): nothing else
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -66,7 +67,7 @@ def test_every_recipe_parses_its_flags_and_plans_with_dry_run(recipe, tmp_path):
 
 
 def test_dry_run_with_gpu_imports_no_torch(tmp_path):
-    code = ("import sys; from adaptive.train.entry import main; rc = main('b1', 'moe', ['--dry-run', '--gpu', 'h100']);"
+    code = ("import sys; from adaptive.recipe import main; rc = main('b1', 'moe', ['--dry-run', '--gpu', 'h100']);"
             "heavy = [m for m in ('torch', 'deepspeed', 'accelerate') if m in sys.modules];"
             "print('HEAVY', heavy, rc, file=sys.stderr)")
     done = subprocess.run([sys.executable, "-c", code], env=launch_env(tmp_path), capture_output=True, text=True,
@@ -243,11 +244,11 @@ def test_debug_moe_trains_on_two_processes_with_expert_parallelism(tmp_path):
 
 
 def test_readme_documents_every_recipe_flag():
-    from adaptive.train.entry import build_parser
+    from adaptive.config.run import TRAIN, options_for
 
     text = (REPO / "README.md").read_text()
     section = text.split("### Recipe flags", 1)[1].split("\n### ", 1)[0]
-    options = {o for a in build_parser("b1", "mod")._actions for o in a.option_strings if o.startswith("--")}
-    options -= {"--help"}
+    options = {name for _, _, flag in options_for(TRAIN) for name in (*flag.names, flag.negative) if name}
+    options.add("--dry-run")
     missing = {o for o in options if f"`{o}" not in section and f", {o}" not in section and f"/{o}`" not in section}
     assert not missing, f"README's recipe flags table misses {sorted(missing)}"

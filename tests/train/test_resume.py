@@ -73,7 +73,7 @@ def test_resume_skips_a_corrupted_checkpoint_and_a_half_written_one(runs, tmp_pa
     assert "incomplete; using step_00000015" in done.stderr
     start = records(run, "start")[-1]
     assert start["step"] == 15 and start["resumed_from"].endswith("step_00000015")
-    assert {s: l for s, l in train_losses(run).items() if s > 15} == \
-           {s: l for s, l in train_losses(runs["full"]).items() if s > 15}
+    assert {s: loss for s, loss in train_losses(run).items() if s > 15} == \
+           {s: loss for s, loss in train_losses(runs["full"]).items() if s > 15}
     assert (ckpts / "latest").read_text().strip() == "step_00000020"
     assert not half.exists(), "the next save clears half-written checkpoints"

@@ -9,7 +9,7 @@ import pytest
 
 from adaptive.errors import AdaptiveError
 from adaptive.plan import get_gpu
-from adaptive.train.entry import parse_args
+from adaptive.config.commandline import parse
 from adaptive.train.runplan import Device, World, deepspeed_source, plan_run
 from tests.train._launch import REPO
 
@@ -22,7 +22,7 @@ ACC = {"ACCELERATE_USE_DEEPSPEED": "true"}
 
 
 def run_plan(preset="debug", arch="dense", flags=(), world=World(), device=A100, env=None):
-    return plan_run(parse_args(preset, arch, list(flags)), world, device, env or {})
+    return plan_run(parse("train", list(flags)), preset, arch, world, device, env or {})
 
 
 def test_the_source_is_the_flag_then_accelerate_then_the_plan(tmp_path):

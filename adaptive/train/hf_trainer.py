@@ -2,7 +2,7 @@
 events to the same policies the recipes' loop runs.
 
     from adaptive.orchestrator import policies
-    from adaptive.orchestrator.trainer import OrchestratorCallback
+    from adaptive.train.hf_trainer import OrchestratorCallback
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       callbacks=[OrchestratorCallback(policies())])
 
@@ -32,7 +32,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from adaptive.orchestrator.callbacks import CallbackList, Control, Knobs, TrainerState
+from adaptive.train.callbacks import CallbackList, Control, Knobs, TrainerState
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class OrchestratorCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        self.state.last_checkpoint = path
+        self.state.last_checkpoint, self.state.last_checkpoint_step = path, state.global_step
         self.chain.on_checkpoint(self.state, self.control, path=path)
         self._apply(control)
 

@@ -1,4 +1,8 @@
-"""The callback API between the training loop and the orchestrator's policies.
+"""The training loop's contract: the callback events, the state callbacks read, the requests they make.
+
+The loop owns this contract; the orchestrator's policies (`adaptive.orchestrator`) are plugins that
+implement, by name, the events they need, and import nothing from `adaptive.train`. A callback may
+subclass `Callback` (no-op events) or implement only some events: `CallbackList` calls what exists.
 
 The loop (`adaptive.train.loop.train`) calls these events, in this order:
 
@@ -161,7 +165,8 @@ class TrainerState:
     micro_step: int = 0  # index of the micro-batch being run
     attempt: int = 0  # 0 on the first try of a step, n after n OOM retries
     # bookkeeping
-    last_checkpoint: Path | None = None
+    last_checkpoint: Path | None = None  # the checkpoint this run wrote or resumed from last
+    last_checkpoint_step: int | None = None  # the step it holds
     resumed_from: Path | None = None
     world_size: int = 1
 
@@ -234,7 +239,7 @@ class Callback:
         """Take back what `state_dict` returned when the checkpoint being loaded was written."""
 
 
-def callback_key(callback: Callback) -> str:
+def callback_key(callback: Any) -> str:
     return getattr(callback, "name", None) or type(callback).__name__
 
 
@@ -252,7 +257,9 @@ class CallbackList(Callback):
 
     def _call(self, event: str, state: TrainerState, control: Control, **kwargs: Any) -> None:
         for callback in self.callbacks:
-            getattr(callback, event)(state, control, **kwargs)
+            handler = getattr(callback, event, None)  # plugins implement only the events they need
+            if handler is not None:
+                handler(state, control, **kwargs)
 
     def on_train_start(self, state, control):
         self._call("on_train_start", state, control)
@@ -284,7 +291,7 @@ class CallbackList(Callback):
     def state_dict(self) -> dict[str, Any]:
         out = {}
         for callback in self.callbacks:
-            saved = callback.state_dict()
+            saved = callback.state_dict() if hasattr(callback, "state_dict") else None
             if saved is not None:
                 out[callback_key(callback)] = saved
         return out
@@ -292,7 +299,7 @@ class CallbackList(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for callback in self.callbacks:
             key = callback_key(callback)
-            if key in state_dict:
+            if key in state_dict and hasattr(callback, "load_state_dict"):
                 callback.load_state_dict(state_dict[key])
 
 

@@ -5,9 +5,10 @@
         --main-process-ip 10.0.0.1 --machine-rank 0                                  # run on each node
     adaptive launch recipes/b1_mod.py --gpu a100-80gb --gpus 8 --nodes 2 --hostfile hosts   # pdsh
 
-The preset and architecture come from the recipe's file name (`b1_mod.py`), unless --model/--arch
-override them. The run folder gets ds_config.json, accelerate_config.yaml and plan.json (the same
-planner and emitters as `adaptive fit --out`). Every command is accelerate's launcher:
+The preset and architecture come from the recipe's own declaration (`recipe = Recipe(model="b1",
+arch="mod")`), unless --model/--arch override them; launch takes every run option a recipe takes.
+The run folder gets ds_config.json, accelerate_config.yaml and plan.json (the same planner and
+emitters as `adaptive fit --out`). Every command is accelerate's launcher:
 
 * one node: `accelerate launch --config_file RUN/accelerate_config.yaml RECIPE ...`;
 * several nodes without a hostfile: the same command on every node with its --machine_rank and
@@ -16,14 +17,14 @@ planner and emitters as `adaptive fit --out`). Every command is accelerate's lau
   (deepspeed_multinode_launcher pdsh and deepspeed_hostfile in the accelerate config); pdsh
   starts the processes on every host of the hostfile.
 
-The recipe gets `--ds-config RUN/ds_config.json --output-dir RUN` and the knobs the DeepSpeed
-config cannot carry (`--gpu`, `--seq-len`, `--ep-size`, `--checkpointing`), so it re-derives the
-same plan; anything after `--` is passed to the recipe as is. Imports no torch.
+The recipe gets the run options given to launch, `--ds-config RUN/ds_config.json --output-dir RUN`
+and the knobs the DeepSpeed config cannot carry (`--gpu`, `--seq-len`, `--ep-size`,
+`--checkpointing`), so it re-derives the same plan; anything after `--` is passed to the recipe as
+is. Imports no torch.
 """
 
 from __future__ import annotations
 
-import re
 import shlex
 import shutil
 import subprocess
@@ -32,26 +33,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from adaptive.config.run import TRAIN, RunConfig, to_argv
 from adaptive.errors import AdaptiveError
-from adaptive.plan import ARCHS, PRESETS, Plan, fit, make_request
+from adaptive.plan import Plan, fit, make_request
 from adaptive.plan.emit import accelerate_config, to_yaml, write_plan_files
 
 MAIN_NODE_PLACEHOLDER = "MAIN_NODE_IP"
-_RECIPE_NAME = re.compile(r"^(?P<preset>.+)_(?P<arch>[a-z]+)$")
 
 
 @dataclass(frozen=True)
 class LaunchRequest:
     recipe: str
-    gpu: str | None
-    gpus: int = 1
-    nodes: int = 1
+    config: RunConfig = RunConfig()  # the run options, as a recipe takes them
     hostfile: str | None = None
-    run_dir: str | None = None
-    model: str | None = None
-    arch: str | None = None
-    seq_len: int | None = None
-    tokens: float | None = None
     main_process_ip: str | None = None
     main_process_port: int = 29500
     machine_rank: int = 0
@@ -81,16 +75,6 @@ class Launch:
                 "notes": self.notes}
 
 
-def recipe_model(recipe: str) -> tuple[str, str]:
-    """(preset, arch) from a recipe file name such as recipes/b1_mod.py or debug_200m_moe.py."""
-    stem = Path(recipe).stem
-    match = _RECIPE_NAME.match(stem)
-    if match is None or match["preset"] not in PRESETS or match["arch"] not in ARCHS:
-        raise AdaptiveError(f"cannot tell the preset and arch from {Path(recipe).name!r} (expected PRESET_ARCH.py, "
-                            "e.g. b1_mod.py); pass --model and --arch")
-    return match["preset"], match["arch"]
-
-
 def read_hostfile(path: str) -> list[tuple[str, int | None]]:
     """DeepSpeed hostfile lines `host slots=N` (comments and blank lines skipped)."""
     try:
@@ -115,32 +99,37 @@ def read_hostfile(path: str) -> list[tuple[str, int | None]]:
 
 def plan_launch(req: LaunchRequest) -> Launch:
     """Plan, write the run folder's configs, and build the commands (nothing is run)."""
+    from adaptive.recipe import load_recipe
+
     recipe = Path(req.recipe)
-    if not recipe.is_file():
-        raise AdaptiveError(f"recipe {req.recipe!r} does not exist")
-    preset, arch = recipe_model(req.recipe) if not (req.model and req.arch) else (req.model, req.arch)
-    preset, arch = req.model or preset, req.arch or arch
-    gpu = req.gpu or _detected_gpu()
+    config = req.config
+    preset, arch = load_recipe(recipe).resolve(config)
+    gpus, nodes = config.hardware.gpus or 1, config.hardware.nodes or 1
+    gpu = config.hardware.gpu or _detected_gpu()
     hosts = read_hostfile(req.hostfile) if req.hostfile else None
     if hosts is not None:
-        if len(hosts) != req.nodes:
-            raise AdaptiveError(f"hostfile {req.hostfile!r} lists {len(hosts)} hosts but --nodes is {req.nodes}")
-        wrong = [h for h, slots in hosts if slots is not None and slots != req.gpus]
+        if len(hosts) != nodes:
+            raise AdaptiveError(f"hostfile {req.hostfile!r} lists {len(hosts)} hosts but --nodes is {nodes}")
+        wrong = [h for h, slots in hosts if slots is not None and slots != gpus]
         if wrong:
-            raise AdaptiveError(f"hostfile slots must equal --gpus ({req.gpus}); not on {', '.join(wrong)}")
-    if not 0 <= req.machine_rank < req.nodes:
-        raise AdaptiveError(f"--machine-rank must be in 0..{req.nodes - 1}, got {req.machine_rank}")
-    request = make_request(model=preset, arch=arch, gpu=gpu, gpus=req.gpus, nodes=req.nodes,
-                           seq_len=req.seq_len or 2048, tokens=req.tokens)
+            raise AdaptiveError(f"hostfile slots must equal --gpus ({gpus}); not on {', '.join(wrong)}")
+    if not 0 <= req.machine_rank < nodes:
+        raise AdaptiveError(f"--machine-rank must be in 0..{nodes - 1}, got {req.machine_rank}")
+    par = config.parallelism
+    request = make_request(model=preset, arch=arch, gpu=gpu, gpus=gpus, nodes=nodes,
+                           seq_len=config.data.seq_len or 2048, min_seq_len=config.data.min_seq_len,
+                           tokens=config.schedule.tokens, zero=par.zero, offload=par.offload,
+                           micro_batch=par.micro_batch, grad_accum=par.grad_accum,
+                           checkpointing=config.checkpointing.gradient_checkpointing, ep_size=par.ep_size)
     plan = fit(request)
     if not plan.fits:
         hint = f"; would fit: {plan.suggestions[0]}" if plan.suggestions else ""
         raise AdaptiveError(f"{preset} {arch} does not fit {request.world_size} x {request.gpu.name}{hint}")
-    run_dir = Path(req.run_dir or f"runs/{preset}_{arch}").resolve()
+    run_dir = Path(config.output.output_dir or f"runs/{preset}_{arch}").resolve()
     files = write_plan_files(plan, run_dir)
     main_ip = req.main_process_ip or (hosts[0][0] if hosts else None)
     acc = accelerate_config(plan.shown.setup, str(files["ds_config"]))
-    if req.nodes > 1:
+    if nodes > 1:
         acc["main_process_ip"] = main_ip or MAIN_NODE_PLACEHOLDER
         acc["main_process_port"] = req.main_process_port
     if hosts is not None:
@@ -148,19 +137,17 @@ def plan_launch(req: LaunchRequest) -> Launch:
         acc["deepspeed_config"]["deepspeed_hostfile"] = str(Path(req.hostfile).expanduser().resolve())
     files["accelerate_config"].write_text(to_yaml(acc))
 
+    # the recipe re-derives this plan: the user's options, the written DeepSpeed config, and the knobs
+    # that config cannot carry (the launcher, not a flag, gives the recipe its world)
     s = plan.shown.setup
-    recipe_args = [str(recipe.resolve()), "--ds-config", str(files["ds_config"]), "--output-dir", str(run_dir),
-                   "--gpu", request.gpu.name, "--seq-len", str(s.seq_len),
-                   "--checkpointing" if s.gradient_checkpointing else "--no-checkpointing"]
-    if s.spec.is_moe:
-        recipe_args += ["--ep-size", str(s.ep_size)]
-    if req.tokens is not None:
-        recipe_args += ["--tokens", repr(req.tokens)]
-    recipe_args += list(req.recipe_args)
+    handed = config.replace(ds_config=str(files["ds_config"]), output_dir=str(run_dir), gpu=request.gpu.name,
+                            gpus=None, nodes=None, seq_len=s.seq_len, gradient_checkpointing=s.gradient_checkpointing,
+                            ep_size=s.ep_size if s.spec.is_moe else None)
+    recipe_args = [str(recipe.resolve()), *to_argv(handed, TRAIN), *req.recipe_args]
     base = ["accelerate", "launch", "--config_file", str(files["accelerate_config"])]
     notes = []
     deepspeed_command = None
-    if req.nodes == 1:
+    if nodes == 1:
         launcher = "single-node"
         commands = [base + recipe_args]
         this_node = commands[0]
@@ -169,7 +156,7 @@ def plan_launch(req: LaunchRequest) -> Launch:
         commands = [base + recipe_args]
         this_node = commands[0]
         deepspeed_command = ["deepspeed", "--hostfile", acc["deepspeed_config"]["deepspeed_hostfile"],
-                             "--no_local_rank", "--launcher", "pdsh", "--num_gpus", str(req.gpus),
+                             "--no_local_rank", "--launcher", "pdsh", "--num_gpus", str(gpus),
                              "--master_addr", acc["main_process_ip"], "--master_port", str(req.main_process_port),
                              *recipe_args]
         notes.append(f"run it on the main node ({acc['main_process_ip']}); pdsh starts every host of the hostfile")
@@ -177,7 +164,7 @@ def plan_launch(req: LaunchRequest) -> Launch:
         launcher = "multi-node (accelerate, torchrun on each node)"
         commands = [base + ["--machine_rank", str(rank), "--main_process_ip", acc["main_process_ip"],
                             "--main_process_port", str(req.main_process_port)] + recipe_args
-                    for rank in range(req.nodes)]
+                    for rank in range(nodes)]
         this_node = commands[req.machine_rank]
         notes.append("run each command on its node (same run folder on a shared filesystem)")
         if main_ip is None:
@@ -206,5 +193,4 @@ def _detected_gpu() -> str:
     return device.gpu.name
 
 
-__all__ = ["Launch", "LaunchRequest", "MAIN_NODE_PLACEHOLDER", "plan_launch", "read_hostfile", "recipe_model",
-           "run_launch"]
+__all__ = ["Launch", "LaunchRequest", "MAIN_NODE_PLACEHOLDER", "plan_launch", "read_hostfile", "run_launch"]

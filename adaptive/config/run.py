@@ -1,0 +1,297 @@
+"""One typed run configuration: every option of `adaptive fit`, `adaptive launch` and the recipes,
+defined once.
+
+Each section is a frozen dataclass; each field is one command-line option, declared with `option()`:
+its flag names, its help text, the commands that take it, and its range. Flag names stay flat
+(`--micro-batch`, `--lr`) whatever section holds them. `adaptive.config.commandline` turns the fields
+into typer options, so `fit --help`, `launch --help` and a recipe's `--help` print the same text for
+the same option. Pure: no I/O, no torch, no typer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from adaptive.errors import AdaptiveError
+
+FIT, LAUNCH, TRAIN, MEASURE = "fit", "launch", "train", "measure"  # adaptive fit/launch, a recipe, adaptive measure
+PLANNING = frozenset({FIT, LAUNCH, TRAIN})  # the planner's inputs: every command takes them
+FIT_ONLY = frozenset({FIT})  # what-if figures of the estimate (a run measures its own)
+SHAPE = PLANNING | {MEASURE}  # what `adaptive measure` builds and runs, too
+ESTIMATE = FIT_ONLY | {MEASURE}
+RUN = frozenset({LAUNCH, TRAIN})  # a training run's settings; launch hands them to the recipe
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one field appears on the command line."""
+
+    names: tuple[str, ...]
+    help: str
+    commands: frozenset[str]
+    choices: tuple[str, ...] | None = None
+    minimum: float | None = None  # inclusive
+    above: float | None = None  # exclusive lower bound
+    maximum: float | None = None  # inclusive
+    negative: str | None = None  # the flag that turns a bool off ("--no-checkpointing")
+    bare: str | None = None  # the value of the flag given alone (`--resume` is `--resume auto`)
+    panel: str = ""  # the --help section, set from the dataclass
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+def option(default: Any, *names: str, help: str, commands: frozenset[str], **rules: Any) -> Any:
+    return field(default=default, metadata={"flag": Flag(names=names, help=help, commands=commands, **rules)})
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    name: str | None = option(
+        None, "--model", "-m", commands=SHAPE,
+        help="Preset (debug, debug_200m, b1, b7, b14, b30, b70) or a path to an HF config.json; default: b7 "
+             "for fit, the recipe's own preset for a run.")
+    arch: str | None = option(
+        None, "--arch", commands=SHAPE,
+        help="dense | moe | mod | hybrid; default: dense, the config's, or the recipe's own.")
+    capacity_factor: float = option(1.0, "--capacity-factor", commands=ESTIMATE, above=0.0,
+                                    help="MoE capacity factor.")
+    mod_capacity: float | None = option(None, "--mod-capacity", commands=ESTIMATE, above=0.0, maximum=1.0,
+                                        help="MoD capacity (fraction of tokens routed).")
+    kernels: str | None = option(
+        None, "--kernels", commands=ESTIMATE, choices=("lean", "plain"),
+        help="lean: adaptive's memory-lean RMSNorm, SwiGLU and chunked loss (what the recipes train); plain: "
+             "transformers' Llama ops. Default: lean, plain for a config.json transformers' own class trains.")
+
+
+@dataclass(frozen=True)
+class HardwareOptions:
+    gpu: str | None = option(
+        None, "--gpu", "-g", commands=SHAPE,
+        help="GPU name or alias (see `adaptive gpus`); a run without it detects its GPU, or trains on the CPU.")
+    gpus: int | None = option(
+        None, "--gpus", commands=PLANNING, minimum=1,
+        help="GPUs per node to plan for (default 1); a training run takes its launcher's.")
+    nodes: int | None = option(None, "--nodes", commands=PLANNING, minimum=1,
+                               help="Nodes to plan for (default 1); a training run takes its launcher's.")
+    gpu_mem: float | None = option(None, "--gpu-mem", commands=ESTIMATE, above=0.0,
+                                   help="Custom GPU memory in GiB.")
+    gpu_tflops: float | None = option(None, "--gpu-tflops", commands=ESTIMATE, above=0.0,
+                                      help="Custom GPU peak dense 16-bit TFLOP/s.")
+    price: float | None = option(None, "--price", commands=FIT_ONLY, minimum=0.0,
+                                 help="USD per GPU hour (default: catalog price).")
+    host_mem: float | None = option(None, "--host-mem", commands=FIT_ONLY, above=0.0,
+                                    help="Host RAM per node in GiB (default 3x GPU memory).")
+    mfu: float | None = option(None, "--mfu", commands=FIT_ONLY, above=0.0, maximum=1.0,
+                               help="Override the assumed MFU (0-1].")
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    seq_len: int | None = option(
+        None, "--seq-len", commands=SHAPE, minimum=1,
+        help="Sequence length (default 2048; 128 for a run on a CPU). A run's data are blocks of it: keep it "
+             "on --resume.")
+    min_seq_len: int | None = option(
+        None, "--min-seq-len", commands=PLANNING, minimum=1,
+        help="Shortest sequence allowed: fit tries 3/4, 1/2, ... of --seq-len down to it; a run's OOM ladder "
+             "may halve the sequence down to it (default: keep the sequence).")
+    dataset: str | None = option(
+        None, "--dataset", commands=RUN,
+        help="'c4', a hub dataset, a local .txt/.jsonl/.json/.parquet file or folder, or 'builtin' (the shipped "
+             "corpus); default: C4 on a GPU with the hub reachable, else builtin.")
+    dataset_config: str | None = option(None, "--dataset-config", commands=RUN,
+                                        help="Hub dataset config name (C4: en).")
+    text_field: str = option("text", "--text-field", commands=RUN,
+                             help="The text column of json/parquet/hub data.")
+    tokenizer: str | None = option(None, "--tokenizer", commands=RUN,
+                                   help="Hub name or local folder; default: the built-in byte-level BPE (2048).")
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    tokens: float | None = option(
+        None, "--tokens", commands=PLANNING, above=0.0,
+        help="Training tokens (default 20 x active params; 100 steps for a run on a CPU).")
+    max_steps: int | None = option(None, "--max-steps", commands=RUN, minimum=1,
+                                   help="Optimizer steps to train (instead of --tokens).")
+    global_batch_tokens: int | None = option(None, "--global-batch-tokens", commands=FIT_ONLY, minimum=1,
+                                             help="Global batch in tokens (default by size).")
+
+
+@dataclass(frozen=True)
+class ParallelismOptions:
+    zero: int | None = option(None, "--zero", commands=SHAPE, minimum=0, maximum=3,
+                              help="Pin the ZeRO stage (0-3).")
+    offload: str | None = option(None, "--offload", commands=PLANNING, choices=("none", "optimizer", "all"),
+                                 help="Pin CPU offload.")
+    micro_batch: int | None = option(None, "--micro-batch", commands=SHAPE, minimum=1,
+                                     help="Pin the micro-batch per GPU.")
+    grad_accum: int | None = option(None, "--grad-accum", commands=PLANNING, minimum=1,
+                                    help="Pin gradient accumulation steps.")
+    ep_size: int | None = option(None, "--ep-size", commands=PLANNING, minimum=1,
+                                 help="Pin the expert-parallel size (MoE).")
+    ds_config: str | None = option(
+        None, "--ds-config", commands=RUN,
+        help="Use this DeepSpeed JSON instead of planning one: its explicit values pin the knobs, its \"auto\" "
+             "values are filled from the plan.")
+
+
+@dataclass(frozen=True)
+class CheckpointingOptions:
+    gradient_checkpointing: bool | None = option(None, "--checkpointing", commands=SHAPE,
+                                                 negative="--no-checkpointing", help="Pin activation checkpointing.")
+    checkpoint_policy: str | None = option(
+        None, "--checkpoint-policy", commands=SHAPE,
+        help="Pin activation checkpointing: off, full, selective (the planner picks every:4, every:2 or mlp), or "
+             "a policy: every:N (every N-th block), mlp (each block recomputes its MLP half, keeps attention).")
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    lr: float | None = option(None, "--lr", commands=RUN, above=0.0,
+                              help="Peak learning rate (default by preset: debug 3e-3, debug_200m 6e-4, b1 and "
+                                   "larger 3e-4).")
+    warmup_steps: int | None = option(None, "--warmup-steps", commands=RUN, minimum=0,
+                                      help="Linear warmup steps (default 5% of the run, at most 2000).")
+    weight_decay: float = option(0.1, "--weight-decay", commands=RUN, minimum=0.0,
+                                 help="AdamW weight decay on matrices.")
+    seed: int = option(0, "--seed", commands=RUN, minimum=0, help="Model init and data order.")
+
+
+@dataclass(frozen=True)
+class OrchestratorOptions:
+    orchestrator: str = option("auto", "--orchestrator", commands=RUN, choices=("on", "off", "auto"),
+                               help="Adaptive orchestrator: auto follows the plan's recommendation.")
+    orchestrator_policies: str | None = option(
+        None, "--orchestrator-policies", commands=RUN,
+        help="Comma-separated policies the orchestrator runs: balance, capacity, oom, guard, ep; 'all' "
+             "(default) or 'none' (monitor and event log only).")
+    orchestrator_config: str | None = option(
+        None, "--orchestrator-config", commands=RUN,
+        help="Policy settings as a JSON object or file, e.g. '{\"balance\": {\"rate\": 0.001}}' (fields: the "
+             "*Config dataclasses in adaptive/orchestrator/).")
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    output_dir: str | None = option(
+        None, "--output-dir", "--run-dir", commands=RUN,
+        help="Run folder: configs, metrics.jsonl, checkpoints/, hf/ (default runs/PRESET_ARCH).")
+    resume: str | None = option(
+        None, "--resume", commands=RUN, bare="auto",
+        help="Continue from the newest complete checkpoint of --output-dir ('auto'), or of PATH.")
+    log_every: int = option(10, "--log-every", commands=RUN, minimum=1,
+                            help="Log line and metrics record every N steps.")
+    eval_every: int = option(0, "--eval-every", commands=RUN, minimum=0,
+                             help="Eval every N steps (0: at the end only).")
+    checkpoint_every: int = option(1000, "--checkpoint-every", commands=RUN, minimum=0,
+                                   help="Checkpoint every N steps (0: at the end only).")
+    keep_checkpoints: int = option(3, "--keep-checkpoints", commands=RUN, minimum=1, help="Checkpoints kept.")
+    export_every: int = option(0, "--export-every", commands=RUN, minimum=0,
+                               help="HF export every N steps into hf-step_N/ (0: at the end only; touch "
+                                    "OUTPUT_DIR/EXPORT for one now).")
+    progress: bool = option(True, "--progress", commands=RUN, negative="--no-progress",
+                            help="Show a progress bar.")
+
+
+PANELS = {  # section -> its --help panel
+    "model": "Model", "hardware": "Hardware", "data": "Data and sequence", "schedule": "Length",
+    "parallelism": "Knobs (pin what the planner would choose)", "checkpointing": "Knobs (pin what the planner would choose)",
+    "optimizer": "Optimization", "orchestrator": "Orchestrator", "output": "Output, checkpoints, logs",
+}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A run, as the user gave it: None means "the planner's choice" or "the default"."""
+
+    model: ModelOptions = field(default_factory=ModelOptions)
+    hardware: HardwareOptions = field(default_factory=HardwareOptions)
+    data: DataOptions = field(default_factory=DataOptions)
+    schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
+    parallelism: ParallelismOptions = field(default_factory=ParallelismOptions)
+    checkpointing: CheckpointingOptions = field(default_factory=CheckpointingOptions)
+    optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
+    orchestrator: OrchestratorOptions = field(default_factory=OrchestratorOptions)
+    output: OutputOptions = field(default_factory=OutputOptions)
+
+    @classmethod
+    def from_options(cls, values: dict[str, Any]) -> RunConfig:
+        """Build from flat option values (field name -> value), validating each; unknown names are refused."""
+        by_section: dict[str, dict[str, Any]] = {}
+        for section, f, flag in run_fields():
+            if f.name in values:
+                value = values[f.name]
+                check(flag, value)
+                by_section.setdefault(section, {})[f.name] = value
+        unknown = set(values) - {f.name for _, f, _ in run_fields()}
+        assert not unknown, f"not run options: {sorted(unknown)}"
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        hints = typing.get_type_hints(cls)
+        return cls(**{name: hints[name](**by_section.get(name, {})) for name in sections})
+
+    def flat(self) -> dict[str, Any]:
+        """Field name -> value, over every section."""
+        return {f.name: getattr(getattr(self, section), f.name) for section, f, _ in run_fields()}
+
+    def replace(self, **values: Any) -> RunConfig:
+        """A copy with some options changed (flat names), validated like the command line."""
+        return RunConfig.from_options({**self.flat(), **values})
+
+
+def run_fields() -> Iterator[tuple[str, dataclasses.Field, Flag]]:
+    """(section, field, flag) for every option, in --help order."""
+    hints = typing.get_type_hints(RunConfig)
+    for section in dataclasses.fields(RunConfig):
+        for f in dataclasses.fields(hints[section.name]):
+            flag = f.metadata["flag"]
+            yield section.name, f, dataclasses.replace(flag, panel=PANELS[section.name])
+
+
+def check(flag: Flag, value: Any) -> None:
+    """One option's value against its rules; AdaptiveError naming the flag, the rule and the value."""
+    if value is None or isinstance(value, bool):
+        return
+    if flag.choices is not None and value not in flag.choices:
+        raise AdaptiveError(f"{flag.name} must be one of {', '.join(flag.choices)}, got {value!r}")
+    if not isinstance(value, (int, float)):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise AdaptiveError(f"{flag.name} must be a finite number, got {value}")
+    positive = flag.above == 0 or (flag.minimum == 1 and isinstance(value, int))
+    if flag.minimum is not None and value < flag.minimum:
+        rule = "positive" if positive else f">= {flag.minimum:g}"
+        raise AdaptiveError(f"{flag.name} must be {rule}, got {value:g}")
+    if flag.above is not None and value <= flag.above:
+        rule = "positive" if positive else f"> {flag.above:g}"
+        raise AdaptiveError(f"{flag.name} must be {rule}, got {value:g}")
+    if flag.maximum is not None and value > flag.maximum:
+        raise AdaptiveError(f"{flag.name} must be <= {flag.maximum:g}, got {value:g}")
+
+
+def options_for(command: str) -> list[tuple[str, dataclasses.Field, Flag]]:
+    return [(s, f, flag) for s, f, flag in run_fields() if command in flag.commands]
+
+
+def to_argv(config: RunConfig, command: str = TRAIN) -> list[str]:
+    """The flags that give `config`'s non-default values to `command` (how launch hands a run to its recipe)."""
+    argv: list[str] = []
+    for section, f, flag in options_for(command):
+        value = getattr(getattr(config, section), f.name)
+        if value == f.default:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag.name if value else flag.negative)
+        else:
+            argv += [flag.name, repr(value) if isinstance(value, float) else str(value)]
+    return argv
+
+
+__all__ = ["ESTIMATE", "FIT", "FIT_ONLY", "Flag", "LAUNCH", "MEASURE", "PLANNING", "RUN", "RunConfig", "SHAPE", "TRAIN",
+           "check", "option", "options_for", "run_fields", "to_argv"]

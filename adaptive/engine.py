@@ -1,0 +1,138 @@
+"""Every use of DeepSpeed's internals, in one place.
+
+Read against deepspeed 0.19.8 (`runtime/engine.py`, `runtime/zero/stage_1_and_2.py`,
+`runtime/bf16_optimizer.py`, `moe/layer.py`, `moe/sharded_moe.py`, `utils/groups.py`). Nothing here is
+DeepSpeed's documented API: `tests/test_engine_internals.py` checks each name against the installed
+DeepSpeed, on real objects, and fails naming the one that moved. Upgrading DeepSpeed starts there.
+
+What the rest of the code asks of an engine:
+- `discard_gradients`: drop a step's accumulated gradients without an update (a skipped step, an OOM
+  retry). DeepSpeed has no public call for it; a non-finite gradient makes its overflow check skip
+  the update and clear its buffers.
+- `set_batch_sizes`: the micro-batch and global batch in force after the OOM ladder changed them (the
+  engine's sample counters and throughput timer read them).
+- `reports_grad_norm` / `reported_grad_norm`: the norm DeepSpeed computed for clipping, where it has one.
+- MoE: the optimizer param groups DeepSpeed MoE needs, this rank's expert-parallel rank, and the
+  all-to-all timers of `MOELayer`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+DEEPSPEED_VERSION_READ = "0.19.8"
+
+# What this module relies on, as (module, class or function, name): a method or attribute, `self.x` that
+# its source assigns, a parameter of a function, or `method(parameter)`. The test checks each against
+# the installed DeepSpeed.
+INTERNALS: tuple[tuple[str, str, str], ...] = (
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "set_train_micro_batch_size"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "set_train_batch_size"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "set_gradient_accumulation_boundary"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "was_step_applied"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "get_global_grad_norm"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "self.dp_world_size"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "backward(scale_wrt_gas)"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "self.overflow"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "self._global_grad_norm"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "self._global_grad_norm"),
+    ("deepspeed.moe.sharded_moe", "MOELayer", "self.wall_clock_breakdown"),
+    ("deepspeed.moe.sharded_moe", "MOELayer", "self.timers"),
+    ("deepspeed.moe.sharded_moe", "MOELayer", "self.time_falltoall"),
+    ("deepspeed.moe.sharded_moe", "MOELayer", "self.time_salltoall"),
+    ("deepspeed.moe.sharded_moe", "MOELayer", "self.time_moe"),
+    ("deepspeed.moe.utils", "split_params_into_different_moe_groups_for_optimizer", "param_groups"),
+    ("deepspeed.utils.groups", "_get_expert_parallel_rank", "group_name"),
+)
+
+# MOELayer's forward timers (milliseconds, set when wall_clock_breakdown is on)
+A2A_TIMERS = ("time_falltoall", "time_salltoall")
+MOE_TIMER = "time_moe"
+
+
+# --- the engine ---------------------------------------------------------------------------------
+
+
+def discard_gradients(engine: Any, probe: dict[str, Any]) -> None:
+    """Drop every gradient accumulated since the last optimizer step, without updating (all ranks).
+    `probe` is a one-sample batch the engine can run."""
+    if not hasattr(engine.optimizer, "overflow"):  # fp32 ZeRO-0: the torch optimizer, grads in .grad
+        engine.zero_grad()
+        return
+    # Backpropagate a NaN through the probe at the boundary: the gradient becomes non-finite
+    # everywhere, and DeepSpeed's overflow check skips the update and clears its buffers.
+    engine.set_gradient_accumulation_boundary(True)
+    out = engine(**probe)
+    engine.backward(out.loss * float("nan"), scale_wrt_gas=False)
+    engine.step()
+    if engine.was_step_applied():
+        raise RuntimeError("DeepSpeed applied a step with non-finite gradients (bf16 with check_grad_overflow "
+                           "off?); enable bf16.check_grad_overflow to let the loop skip steps")
+
+
+def set_batch_sizes(engine: Any, micro_batch: int, sequences_per_step: int) -> None:
+    """The engine's batch bookkeeping after a live change (the loop runs the accumulation itself)."""
+    engine.set_train_micro_batch_size(micro_batch)
+    engine.set_train_batch_size(sequences_per_step * engine.dp_world_size)
+
+
+def reports_grad_norm(engine: Any) -> bool:
+    """Whether the engine's optimizer computes the global gradient norm (ZeRO 1-3, bf16/fp16 wrappers)."""
+    return hasattr(engine.optimizer, "_global_grad_norm")
+
+
+def reported_grad_norm(engine: Any) -> float | None:
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    return float(norm.item() if hasattr(norm, "item") else norm)
+
+
+# --- MoE ----------------------------------------------------------------------------------------
+
+
+def moe_param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Optimizer param groups with DeepSpeed MoE's expert parameters split out, as ZeRO needs them."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    return split_params_into_different_moe_groups_for_optimizer(groups)
+
+
+def expert_parallel_rank(ep_size: int) -> int:
+    """This process's rank inside its expert-parallel group (DeepSpeed's consecutive-rank layout)."""
+    if ep_size == 1:
+        return 0
+    from deepspeed.utils import groups
+
+    return groups._get_expert_parallel_rank(f"ep_size_{ep_size}")
+
+
+def moe_layers_with_timers(model: Any) -> list[Any]:
+    """DeepSpeed's MOELayer modules (they carry the all-to-all timers)."""
+    if model is None:
+        return []
+    return [m for m in model.modules() if hasattr(m, "wall_clock_breakdown") and hasattr(m, A2A_TIMERS[0])]
+
+
+def start_moe_timers(layers: list[Any]) -> None:
+    """Time the next forwards of `layers` (the timers synchronise the device: sample, do not leave on)."""
+    for layer in layers:
+        for timer in layer.timers.get_timers().values():
+            timer.reset()
+        layer.wall_clock_breakdown = True
+
+
+def stop_moe_timers(layers: list[Any]) -> None:
+    for layer in layers:
+        layer.wall_clock_breakdown = False
+
+
+def moe_timer_seconds(layers: list[Any]) -> tuple[float, float]:
+    """(forward all-to-all, MoE forward) seconds of the last timed forward, summed over `layers`."""
+    a2a = sum(getattr(layer, name) for layer in layers for name in A2A_TIMERS) / 1000.0
+    return a2a, sum(getattr(layer, MOE_TIMER) for layer in layers) / 1000.0
+
+
+__all__ = ["A2A_TIMERS", "DEEPSPEED_VERSION_READ", "INTERNALS", "MOE_TIMER", "discard_gradients", "expert_parallel_rank",
+           "moe_layers_with_timers", "moe_param_groups", "moe_timer_seconds", "reported_grad_norm",
+           "reports_grad_norm", "set_batch_sizes", "start_moe_timers", "stop_moe_timers"]

@@ -1,0 +1,148 @@
+"""What a recipe is: a preset and an architecture, and the command line that trains them.
+
+    from adaptive.recipe import Recipe
+
+    recipe = Recipe(model="b1", arch="mod")
+    if __name__ == "__main__":
+        raise SystemExit(recipe.main())
+
+`recipe.main()` parses the run options (`adaptive.config`, the same definitions as `adaptive fit`
+and `adaptive launch`), plans the run with the same planner, and trains it (`adaptive.train.entry`)
+with the orchestrator's policies as plugins. `adaptive launch` reads the `recipe` a file declares.
+`--dry-run` prints the plan as JSON without training; with `--gpu` it imports no torch.
+
+This module composes the layers: it is the one place that knows both `adaptive.train` and
+`adaptive.orchestrator`. Exit codes: 0 done, 2 bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from adaptive.config.commandline import run_command, with_run_options
+from adaptive.config.run import TRAIN, RunConfig
+from adaptive.errors import AdaptiveError
+from adaptive.plan.presets import ARCHS, PRESETS
+
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Plan and print the run as JSON; do not train.")]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A preset trained as an architecture. `--model` / `--arch` on its command line override them."""
+
+    model: str
+    arch: str
+
+    def __post_init__(self) -> None:
+        if self.model not in PRESETS:
+            raise AdaptiveError(f"recipe model {self.model!r} is not a preset ({', '.join(PRESETS)})")
+        if self.arch not in ARCHS:
+            raise AdaptiveError(f"recipe arch {self.arch!r} is not one of {', '.join(ARCHS)}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}_{self.arch}"
+
+    def resolve(self, config: RunConfig) -> tuple[str, str]:
+        """(preset, arch) of a run: the flags', else the recipe's."""
+        preset = config.model.name or self.model
+        if preset not in PRESETS:
+            raise AdaptiveError(f"--model {preset!r}: a recipe trains a preset ({', '.join(PRESETS)}); plan an HF "
+                                "config.json with `adaptive fit`")
+        return preset, config.model.arch or self.arch
+
+    def main(self, argv: list[str] | None = None, callbacks: list[Any] | None = None) -> int:
+        """Parse `argv` (default sys.argv), then plan and train, or print the plan with --dry-run."""
+        app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+        @app.command(help=f"Train the {self.model} preset as {self.arch} on DeepSpeed, sized by the planner. Launch "
+                          "with `accelerate launch` (or torchrun / deepspeed); plain python runs one process.")
+        @with_run_options(TRAIN)
+        def recipe_command(config: RunConfig, dry_run: DryRun = False) -> None:
+            preset, arch = self.resolve(config)
+            if dry_run:
+                sys.stdout.write(json.dumps(plan_only(config, preset, arch), indent=2) + "\n")
+            else:
+                train(config, preset, arch, callbacks)
+
+        return run_command(app, argv, f"recipes/{self.name}.py")
+
+
+def orchestrator_settings(config: RunConfig) -> Any:
+    """The orchestrator's config from the run options (--min-seq-len is also the OOM ladder's floor)."""
+    from adaptive.orchestrator import orchestrator_config
+
+    options = config.orchestrator
+    settings = orchestrator_config(options.orchestrator_policies, options.orchestrator_config)
+    floor = config.data.min_seq_len
+    if floor is None:
+        return settings
+    oom = settings.settings.get("oom", {})
+    if oom.get("min_seq_len") not in (None, floor):
+        raise AdaptiveError(f"--min-seq-len {floor} contradicts oom.min_seq_len {oom['min_seq_len']} in "
+                            "--orchestrator-config; give one of them")
+    return dataclasses.replace(settings, settings={**settings.settings, "oom": {**oom, "min_seq_len": floor}})
+
+
+def train(config: RunConfig, preset: str, arch: str, callbacks: list[Any] | None = None) -> Any:
+    """Train with the orchestrator's policies as the loop's plugins; returns the final TrainerState."""
+    from adaptive.orchestrator import policies
+    from adaptive.train.entry import run
+
+    orchestrator = orchestrator_settings(config)  # bad settings fail before anything starts
+    return run(config, preset, arch, callbacks, plugins=lambda: policies(orchestrator))
+
+
+def plan_only(config: RunConfig, preset: str, arch: str) -> dict[str, Any]:
+    """The run as --dry-run prints it: the run section, the plan (adaptive fit's schema), the DeepSpeed config."""
+    from adaptive.plan.emit import plan_dict
+    from adaptive.train.runplan import World, detect_device, launcher_world, plan_run
+
+    launched = launcher_world()
+    per_node = config.hardware.gpus or launched.per_node
+    world = World(per_node * (config.hardware.nodes or launched.nodes), per_node)
+    device = detect_device(config.hardware.gpu, assume_gpu=True)
+    plan = plan_run(config, preset, arch, world, device)
+    orchestrator = orchestrator_settings(config)
+    return {"run": plan.summary(), "plan": plan_dict(plan.plan), "ds_config": plan.ds_config,
+            "orchestrator": {"policies": list(orchestrator.policies), "settings": orchestrator.settings},
+            "options": config.flat()}
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """The `recipe = Recipe(model=..., arch=...)` a recipe file declares, read from its source without
+    running it (launch must not execute a file to learn what it trains)."""
+    path = Path(path)
+    if not path.is_file():
+        raise AdaptiveError(f"recipe {str(path)!r} does not exist")
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (SyntaxError, UnicodeDecodeError, ValueError) as err:
+        raise AdaptiveError(f"recipe {str(path)!r} cannot be read as Python: {err}") from None
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["recipe"]
+                and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", None) == "Recipe"):
+            try:
+                fields = {k.arg: ast.literal_eval(k.value) for k in node.value.keywords}
+                return Recipe(**fields)
+            except (ValueError, TypeError):
+                break
+    raise AdaptiveError(f"cannot tell the preset and arch of {path.name}: it declares no "
+                        "`recipe = Recipe(model=\"...\", arch=\"...\")`")
+
+
+def main(preset: str, arch: str, argv: list[str] | None = None, callbacks: list[Any] | None = None) -> int:
+    """`Recipe(preset, arch).main(argv, callbacks)`: for scripts and tests that build a recipe on the fly."""
+    return Recipe(preset, arch).main(argv, callbacks)
+
+
+__all__ = ["Recipe", "load_recipe", "main", "orchestrator_settings", "plan_only", "train"]

@@ -1,0 +1,61 @@
+"""The DeepSpeed internals `adaptive.engine` relies on still exist in the installed DeepSpeed.
+
+Each entry of `adaptive.engine.INTERNALS` names a class (or function) and a method, an attribute its
+source sets (`self.x`), or a parameter. A DeepSpeed upgrade that moves one fails here, by name, instead
+of mid-run in the loop or the orchestrator.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+
+import pytest
+
+from adaptive import engine
+from adaptive.engine import INTERNALS
+
+
+def _source_has(owner: object, name: str) -> bool:
+    if name.startswith("self."):  # an attribute its code assigns
+        return f"{name} =" in inspect.getsource(owner)
+    method = re.fullmatch(r"(\w+)\((\w+)\)", name)
+    if method:  # a method's parameter, read from the source (DeepSpeed wraps some methods for NVTX)
+        return re.search(rf"def {method[1]}\([^)]*\b{method[2]}\b", inspect.getsource(owner)) is not None
+    if inspect.isfunction(owner) and name in inspect.signature(owner).parameters:
+        return True
+    return hasattr(owner, name)
+
+
+@pytest.mark.parametrize("module, owner, name", INTERNALS, ids=lambda v: v if isinstance(v, str) else None)
+def test_the_deepspeed_internal_we_use_is_still_there(module, owner, name):
+    import deepspeed
+
+    target = importlib.import_module(module)
+    for part in owner.split("."):
+        assert hasattr(target, part), f"deepspeed {deepspeed.__version__}: {module}.{owner} is gone " \
+                                      f"(adaptive/engine.py was read against {engine.DEEPSPEED_VERSION_READ})"
+        target = getattr(target, part)
+    assert _source_has(target, name), (f"deepspeed {deepspeed.__version__}: {module}.{owner} has no {name} "
+                                       f"(adaptive/engine.py was read against {engine.DEEPSPEED_VERSION_READ})")
+
+
+def test_the_check_fails_for_a_name_that_is_not_there():
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    assert not _source_has(DeepSpeedEngine, "self.no_such_attribute")
+    assert not _source_has(DeepSpeedEngine, "no_such_method")
+    assert not _source_has(DeepSpeedEngine, "backward(no_such_parameter)")
+
+
+def test_only_the_engine_module_touches_deepspeed_internals():
+    """The private names live in adaptive/engine.py alone (and the MoE block that subclasses MoE)."""
+    from pathlib import Path
+
+    root = Path(engine.__file__).parent
+    private = ("_get_expert_parallel_rank", "time_falltoall", "get_timers", "set_train_micro_batch_size",
+               "set_train_batch_size", "_global_grad_norm", "split_params_into_different_moe_groups")
+    offenders = [f"{path.relative_to(root)}: {name}" for path in root.rglob("*.py") if path.name != "engine.py"
+                 for name in private if name in path.read_text()]
+    assert not offenders, offenders
