@@ -161,7 +161,8 @@ def _fake_saved_bytes(build, seq: int, micro_batch: int = 1) -> int:
             torch.set_default_dtype(previous)
         ids = torch.randint(0, 100, (micro_batch, seq))
         with count_saved_bytes(result):
-            model(input_ids=ids, labels=ids)
+            out = model(input_ids=ids, labels=ids)  # held: what the graph keeps is counted at the block's end
+        del out
     return result["bytes"]
 
 
@@ -189,7 +190,7 @@ def test_lean_dense_layer_saves_at_most_065x_of_transformers_llama_at_b1_shape()
         return _fake_saved_bytes(build(2), seq) - _fake_saved_bytes(build(1), seq)
 
     ours_bytes, llama_bytes = per_layer(ours), per_layer(llama)
-    assert ours_bytes <= 0.65 * llama_bytes, (ours_bytes, llama_bytes)
+    assert 0 < ours_bytes <= 0.65 * llama_bytes, (ours_bytes, llama_bytes)
     # the planner's lean formula is the count, byte for byte
     from adaptive.plan.activations import dense_layer_bytes
 
