@@ -209,6 +209,7 @@ def moe_backward_bytes(s: ModelSpec, tokens: int, capacity_factor: float) -> flo
     return 2.8 * tokens * s.hidden_size + 5.6 * slots * s.hidden_size
 
 
+@lru_cache(maxsize=4096)
 def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
                         capacity_factor: float = 1.0, kernels: str = "lean") -> int:
     """Activation-side bytes at the peak of backward: saved tensors plus the working set.

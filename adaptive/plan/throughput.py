@@ -80,6 +80,7 @@ def recompute_fraction(s: ModelSpec, checkpointing: bool | str) -> float:
     return mlp / (mlp + attention)
 
 
+@lru_cache(maxsize=4096)
 def hardware_flops_per_token(s: ModelSpec, seq_len: int, checkpointing: bool | str, capacity_factor: float) -> float:
     """FLOPs the GPU really runs: MoE experts run on k·cf capacity slots per token, and checkpointing
     recomputes the layers' forward (a third of their training FLOPs) by `recompute_fraction`."""
