@@ -29,7 +29,7 @@ def check(record_error, request, model_arg, cell, **kw):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [False, True, "every:2", "mlp"])  # off, full, selective policies
 @pytest.mark.parametrize("micro_batch", [2])
 @pytest.mark.parametrize("kernels", ["lean", "plain"])
 def test_debug_preset_predictions_match_measurement(record_error, arch, checkpointing, micro_batch, kernels):
