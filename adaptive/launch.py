@@ -25,6 +25,8 @@ is. Imports no torch.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import shlex
 import shutil
 import subprocess
@@ -50,6 +52,8 @@ class LaunchRequest:
     main_process_port: int = 29500
     machine_rank: int = 0
     recipe_args: tuple[str, ...] = ()
+    dry_run: bool = False  # a dry run writes into an existing run folder only with `overwrite`
+    overwrite: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,35 +70,71 @@ class Launch:
     this_node: list[str]  # the command this machine runs
     deepspeed_command: list[str] | None = None  # what accelerate runs for a hostfile launch
     notes: list[str] = field(default_factory=list)
+    written: bool = True  # the files were written (a dry run into an existing run folder keeps them)
 
     def as_dict(self) -> dict[str, Any]:
         return {"preset": self.preset, "arch": self.arch, "run_dir": str(self.run_dir), "launcher": self.launcher,
-                "files": {k: str(v) for k, v in self.files.items()},
+                "files": {k: str(v) for k, v in self.files.items()}, "files_written": self.written,
                 "commands": [shlex.join(c) for c in self.commands], "this_node": shlex.join(self.this_node),
                 "deepspeed_command": shlex.join(self.deepspeed_command) if self.deepspeed_command else None,
                 "notes": self.notes}
 
 
-def read_hostfile(path: str) -> list[tuple[str, int | None]]:
-    """DeepSpeed hostfile lines `host slots=N` (comments and blank lines skipped)."""
+# DeepSpeed's hostfile grammar (deepspeed/launcher/runner.py `_parse_hostfile`): `host slots=N` per line,
+# `#` comments and blank lines skipped, a host at most once.
+_HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
+# RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens, 253 characters at most.
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+# What may reach the remote shell pdsh runs the recipe in: no quoting, no expansion, no separators.
+_SHELL_SAFE = re.compile(r"^[A-Za-z0-9_./:=,@+%-]*$")
+
+
+def check_host(name: str, what: str) -> str:
+    """A host name (RFC 1123) or an IPv4/IPv6 address; AdaptiveError naming `what` otherwise."""
+    try:
+        ipaddress.ip_address(name)
+        return name
+    except ValueError:
+        pass
+    if len(name) <= 253 and all(_HOST_LABEL.match(label) for label in name.split(".")):
+        return name
+    raise AdaptiveError(f"{what} {name!r} is not a host name (RFC 1123: letters, digits, '-' and '.') or an IP "
+                        "address")
+
+
+def read_hostfile(path: str) -> list[tuple[str, int]]:
+    """DeepSpeed hostfile lines `host slots=N`, each host a valid name or address."""
     try:
         text = Path(path).expanduser().read_text(encoding="utf-8")
-    except OSError:
-        raise AdaptiveError(f"hostfile {path!r} cannot be read") from None
-    hosts = []
-    for line in text.splitlines():
-        line = line.split("#", 1)[0].strip()
-        if not line:
+    except (OSError, UnicodeDecodeError):
+        raise AdaptiveError(f"hostfile {path!r} cannot be read as text") from None
+    hosts: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
             continue
-        parts = line.split()
-        slots = None
-        for part in parts[1:]:
-            if part.startswith("slots="):
-                slots = int(part.removeprefix("slots="))
-        hosts.append((parts[0], slots))
+        match = _HOSTFILE_LINE.match(line)
+        if match is None:
+            raise AdaptiveError(f"hostfile {path!r} line {number}: {line[:80]!r} is not `HOST slots=N` "
+                                "(e.g. `node-a slots=8`)")
+        host = check_host(match[1], f"hostfile {path!r} line {number}: host")
+        if host in hosts:
+            raise AdaptiveError(f"hostfile {path!r} lists {host} twice")
+        slots = int(match[2])
+        if slots < 1:
+            raise AdaptiveError(f"hostfile {path!r} line {number}: slots must be >= 1, got {slots}")
+        hosts[host] = slots
     if not hosts:
-        raise AdaptiveError(f"hostfile {path!r} lists no hosts")
-    return hosts
+        raise AdaptiveError(f"hostfile {path!r} lists no hosts (`HOST slots=N` per line)")
+    return list(hosts.items())
+
+
+def _shell_safe(args: list[str]) -> None:
+    """DeepSpeed's pdsh launcher runs the recipe's command line through a shell on every host."""
+    for arg in args:
+        if not _SHELL_SAFE.match(arg):
+            raise AdaptiveError(f"{arg!r} cannot go to the hosts' shell through pdsh (allowed: letters, digits and "
+                                "_./:=,@+%-); choose a plain path or value")
 
 
 def plan_launch(req: LaunchRequest) -> Launch:
@@ -113,6 +153,8 @@ def plan_launch(req: LaunchRequest) -> Launch:
         wrong = [h for h, slots in hosts if slots is not None and slots != gpus]
         if wrong:
             raise AdaptiveError(f"hostfile slots must equal --gpus ({gpus}); not on {', '.join(wrong)}")
+    if req.main_process_ip is not None:
+        check_host(req.main_process_ip, "--main-process-ip")
     if not 0 <= req.machine_rank < nodes:
         raise AdaptiveError(f"--machine-rank must be in 0..{nodes - 1}, got {req.machine_rank}")
     par = config.parallelism
@@ -126,7 +168,13 @@ def plan_launch(req: LaunchRequest) -> Launch:
         hint = f"; would fit: {plan.suggestions[0]}" if plan.suggestions else ""
         raise AdaptiveError(f"{preset} {arch} does not fit {request.world_size} x {request.gpu.name}{hint}")
     run_dir = Path(config.output.output_dir or f"runs/{preset}_{arch}").resolve()
-    files = write_plan_files(plan, run_dir)
+    files = {"ds_config": run_dir / "ds_config.json", "accelerate_config": run_dir / "accelerate_config.yaml",
+             "plan": run_dir / "plan.json"}
+    if hosts is not None:  # checked before anything is written
+        _shell_safe([str(run_dir), str(recipe.resolve()), *to_argv(config, TRAIN), *req.recipe_args])
+    keep = req.dry_run and not req.overwrite and any(path.exists() for path in files.values())
+    if not keep:
+        files = write_plan_files(plan, run_dir)
     main_ip = req.main_process_ip or (hosts[0][0] if hosts else None)
     acc = accelerate_config(plan.shown.setup, str(files["ds_config"]))
     if nodes > 1:
@@ -135,7 +183,8 @@ def plan_launch(req: LaunchRequest) -> Launch:
     if hosts is not None:
         acc["deepspeed_config"]["deepspeed_multinode_launcher"] = "pdsh"
         acc["deepspeed_config"]["deepspeed_hostfile"] = str(Path(req.hostfile).expanduser().resolve())
-    files["accelerate_config"].write_text(to_yaml(acc))
+    if not keep:
+        files["accelerate_config"].write_text(to_yaml(acc))
 
     # the recipe re-derives this plan: the user's options, the written DeepSpeed config, and the knobs
     # that config cannot carry (the launcher, not a flag, gives the recipe its world)
@@ -169,7 +218,10 @@ def plan_launch(req: LaunchRequest) -> Launch:
         notes.append("run each command on its node (same run folder on a shared filesystem)")
         if main_ip is None:
             notes.append(f"replace {MAIN_NODE_PLACEHOLDER} with the main node's address, or pass --main-process-ip")
+    if keep:
+        notes.append(f"dry run: the configs already in {run_dir} were left as they are (--overwrite writes these)")
     return Launch(preset=preset, arch=arch, plan=plan, run_dir=run_dir, files=files, launcher=launcher,
+                  written=not keep,
                   commands=commands, this_node=this_node, deepspeed_command=deepspeed_command, notes=notes)
 
 

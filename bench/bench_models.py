@@ -1,6 +1,6 @@
 """Step-time ratios of the adaptive model classes, measured side by side in one run on CPU.
 
-    PYTHONPATH=. python bench/bench_models.py            # full run, about 40 s on 2 cores
+    PYTHONPATH=. python bench/bench_models.py            # full run
     PYTHONPATH=. python bench/bench_models.py --quick    # smoke run
     PYTHONPATH=. python bench/bench_models.py --kernels-only   # lean vs plain kernels only
 

@@ -1,6 +1,6 @@
 """Overhead of the orchestrator on the debug MoE recipe's training step, on and off interleaved in one run.
 
-    PYTHONPATH=. python bench/bench_orchestrator.py                  # seq 128, 256, 512; ~3 min on 2 cores
+    PYTHONPATH=. python bench/bench_orchestrator.py                  # seq 128, 256, 512
     PYTHONPATH=. python bench/bench_orchestrator.py --quick          # smoke run
 
 The run is built as `recipes/debug_moe.py` builds it on a CPU (the planner, accelerate's DeepSpeed

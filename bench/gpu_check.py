@@ -14,10 +14,8 @@ rewritten after each config, so a crash keeps the rows before it. The dry run (d
 both micro-batches, offload through torch AdamW) runs in the suite.
 Recorded: torch.cuda.max_memory_allocated / max_memory_reserved against the plan's predicted
 allocated peak (without the CUDA-context and fragmentation allowances), tokens/s, and MFU (tokens/s x
-the plan's model FLOPs per token / the GPU's peak). Not yet run on a GPU; expected on an H200 with 16
-cores: ~1.5 min for the b1 configs, 1-2 min for the CPU Adam build, ~1 min of DeepSpeed offload init
-and ~1.5 min of b7 steps (~7 s each at the planner's 1e9 params/s for CPU Adam): about 6 minutes.
-b7 offload keeps ~108 GiB (16 bytes x 7.24e9 params) in host RAM: it needs a host with more than that.
+the plan's model FLOPs per token / the GPU's peak). Its expected run time on an H200 is in
+docs/BENCHMARKS.md. b7 offload keeps ~108 GiB (16 bytes x 7.24e9 params) in host RAM: it needs a host with more than that.
 """
 
 from __future__ import annotations
@@ -134,7 +132,7 @@ def run_config(preset: str, arch: str, zero: int, offload: str, micros: tuple[in
     model.train()
     optimizer, optimizer_name = make_optimizer(model, arch, offload, dry_run, cfg)
     if optimizer_name == "torch AdamW (CPU)" and not dry_run:
-        warmup, steps = 1, 2  # tens of seconds a step for b7: keeps the whole check near its 8 minutes
+        warmup, steps = 1, 2  # CPU AdamW on b7 is slow: fewer steps keep the check inside one device lease
     start = time.perf_counter()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
     init_s = time.perf_counter() - start

@@ -5,10 +5,12 @@ from __future__ import annotations
 import csv
 import json
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
+from adaptive.config.commandline import with_run_options
+from adaptive.config.run import COMPARE, RunConfig
 from adaptive.plan.compare import compare as compare_plans
 from adaptive.plan.compare import row_dict
 
@@ -17,20 +19,19 @@ def _split(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+@with_run_options(COMPARE)
 def compare(
+    config: RunConfig,
     model: Annotated[str, typer.Option("--model", "-m", help="Comma-separated presets or config paths.")] = "b1,b7",
     arch: Annotated[str, typer.Option(help="Comma-separated archs.")] = "dense,moe,mod,hybrid",
     gpu: Annotated[str, typer.Option("--gpu", "-g", help="Comma-separated GPUs.")] = "t4-16gb,rtx4090-24gb,a100-40gb",
-    gpus: Annotated[int, typer.Option(help="GPUs per node.")] = 1,
-    nodes: Annotated[int, typer.Option(help="Nodes.")] = 1,
-    seq_len: Annotated[int, typer.Option(help="Sequence length.")] = 2048,
-    tokens: Annotated[Optional[float], typer.Option(help="Token budget (default 20 x active params per model).")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
     csv_output: Annotated[bool, typer.Option("--csv", help="Print CSV.")] = False,
 ) -> None:
     """Compare model x arch x GPU: fits, plan, peak memory, tokens/s, hours, cost, cost per 1B tokens."""
-    rows = compare_plans(_split(model), _split(arch), _split(gpu), gpus=gpus, nodes=nodes, seq_len=seq_len,
-                         tokens=tokens)
+    hw, tokens = config.hardware, config.schedule.tokens
+    rows = compare_plans(_split(model), _split(arch), _split(gpu), gpus=hw.gpus or 1, nodes=hw.nodes or 1,
+                         seq_len=config.data.seq_len or 2048, tokens=tokens)
     dicts = [row_dict(r) for r in rows]
     if json_output:
         print(json.dumps(dicts, indent=2))

@@ -31,7 +31,7 @@ def fit(
     if json_output:
         print(json.dumps(plan_dict(plan), indent=2))
     else:
-        from cli import render  # rich costs ~40 ms to import; --json does not need it
+        from cli import render  # rich is imported only for tables; --json does not need it
 
         render.plan(plan, files)
     if not plan.fits:

@@ -23,7 +23,10 @@ def launch(
     main_process_ip: Annotated[Optional[str], typer.Option(help="Main node's address (several nodes).")] = None,
     main_process_port: Annotated[int, typer.Option(help="Main node's port.")] = 29500,
     machine_rank: Annotated[int, typer.Option(help="This node's rank (several nodes, no hostfile).")] = 0,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Plan, write the configs, print; do not run.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Plan, write the configs (not over existing ones), print; "
+                                                    "do not run.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="With --dry-run: write the configs over a run "
+                                                                "folder's existing ones.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> int:
     """Plan a recipe's run, write ds_config.json, accelerate_config.yaml and plan.json, print the exact
@@ -33,7 +36,7 @@ def launch(
     request = LaunchRequest(
         recipe=str(recipe), config=config, hostfile=str(hostfile) if hostfile else None,
         main_process_ip=main_process_ip, main_process_port=main_process_port, machine_rank=machine_rank,
-        recipe_args=tuple(ctx.args),
+        recipe_args=tuple(ctx.args), dry_run=dry_run, overwrite=overwrite,
     )
     planned = plan_launch(request)
     if json_output:
@@ -50,7 +53,7 @@ def _show(planned) -> None:
 
     print(f"{planned.preset} {planned.arch}: {describe(planned.plan.shown)}")
     for name, path in planned.files.items():
-        print(f"wrote {path}")
+        print(f"{'wrote' if planned.written else 'kept'} {path}")
     print(f"launcher: {planned.launcher}")
     for command in planned.commands:
         print(shlex.join(command))

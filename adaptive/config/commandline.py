@@ -46,8 +46,7 @@ def _parameter(field: Any, flag: Flag) -> inspect.Parameter:
     kind = _choice_type(flag) if flag.choices else _base_type(field.type)
     names = (f"{flag.name}/{flag.negative}", *flag.names[1:]) if flag.negative else flag.names
     info = typer.Option(*names, help=flag.help, rich_help_panel=flag.panel, show_default=field.default is not None)
-    default = field.default.value if isinstance(field.default, Enum) else field.default
-    return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+    return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
                              annotation=Annotated[Optional[kind], info])
 
 

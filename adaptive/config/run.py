@@ -18,11 +18,12 @@ from typing import Any, Iterator
 
 from adaptive.errors import AdaptiveError
 
-FIT, LAUNCH, TRAIN, MEASURE = "fit", "launch", "train", "measure"  # adaptive fit/launch, a recipe, adaptive measure
+FIT, LAUNCH, TRAIN, MEASURE, COMPARE = "fit", "launch", "train", "measure", "compare"  # the commands
 PLANNING = frozenset({FIT, LAUNCH, TRAIN})  # the planner's inputs: every command takes them
 FIT_ONLY = frozenset({FIT})  # what-if figures of the estimate (a run measures its own)
 SHAPE = PLANNING | {MEASURE}  # what `adaptive measure` builds and runs, too
 ESTIMATE = FIT_ONLY | {MEASURE}
+WORLD = PLANNING | {COMPARE}  # the world and the run's length, which `adaptive compare` also takes
 RUN = frozenset({LAUNCH, TRAIN})  # a training run's settings; launch hands them to the recipe
 
 
@@ -75,9 +76,9 @@ class HardwareOptions:
         None, "--gpu", "-g", commands=SHAPE,
         help="GPU name or alias (see `adaptive gpus`); a run without it detects its GPU, or trains on the CPU.")
     gpus: int | None = option(
-        None, "--gpus", commands=PLANNING, minimum=1,
+        None, "--gpus", commands=WORLD, minimum=1,
         help="GPUs per node to plan for (default 1); a training run takes its launcher's.")
-    nodes: int | None = option(None, "--nodes", commands=PLANNING, minimum=1,
+    nodes: int | None = option(None, "--nodes", commands=WORLD, minimum=1,
                                help="Nodes to plan for (default 1); a training run takes its launcher's.")
     gpu_mem: float | None = option(None, "--gpu-mem", commands=ESTIMATE, above=0.0,
                                    help="Custom GPU memory in GiB.")
@@ -94,7 +95,7 @@ class HardwareOptions:
 @dataclass(frozen=True)
 class DataOptions:
     seq_len: int | None = option(
-        None, "--seq-len", commands=SHAPE, minimum=1,
+        None, "--seq-len", commands=SHAPE | {COMPARE}, minimum=1,
         help="Sequence length (default 2048; 128 for a run on a CPU). A run's data are blocks of it: keep it "
              "on --resume.")
     min_seq_len: int | None = option(
@@ -116,7 +117,7 @@ class DataOptions:
 @dataclass(frozen=True)
 class ScheduleOptions:
     tokens: float | None = option(
-        None, "--tokens", commands=PLANNING, above=0.0,
+        None, "--tokens", commands=WORLD, above=0.0,
         help="Training tokens (default 20 x active params; 100 steps for a run on a CPU).")
     max_steps: int | None = option(None, "--max-steps", commands=RUN, minimum=1,
                                    help="Optimizer steps to train (instead of --tokens).")
@@ -170,8 +171,9 @@ class OrchestratorOptions:
                                help="Adaptive orchestrator: auto follows the plan's recommendation.")
     orchestrator_policies: str | None = option(
         None, "--orchestrator-policies", commands=RUN,
-        help="Comma-separated policies the orchestrator runs: balance, capacity, oom, guard, ep; 'all' "
-             "(default) or 'none' (monitor and event log only).")
+        help="Comma-separated policies the orchestrator runs (the names in adaptive/orchestrator/registry.py: "
+             "balance, capacity, oom, guard, ep, early_stop, ...); 'all' (default) or 'none' (monitor and event "
+             "log only).")
     orchestrator_config: str | None = option(
         None, "--orchestrator-config", commands=RUN,
         help="Policy settings as a JSON object or file, e.g. '{\"balance\": {\"rate\": 0.001}}' (fields: the "
@@ -293,5 +295,5 @@ def to_argv(config: RunConfig, command: str = TRAIN) -> list[str]:
     return argv
 
 
-__all__ = ["ESTIMATE", "FIT", "FIT_ONLY", "Flag", "LAUNCH", "MEASURE", "PLANNING", "RUN", "RunConfig", "SHAPE", "TRAIN",
-           "check", "option", "options_for", "run_fields", "to_argv"]
+__all__ = ["COMPARE", "ESTIMATE", "FIT", "FIT_ONLY", "Flag", "LAUNCH", "MEASURE", "PLANNING", "RUN", "RunConfig",
+           "SHAPE", "TRAIN", "WORLD", "check", "option", "options_for", "run_fields", "to_argv"]

@@ -14,6 +14,7 @@ POLICIES: dict[str, str] = {
     "oom": "adaptive.orchestrator.oom",
     "guard": "adaptive.orchestrator.guard",
     "ep": "adaptive.orchestrator.ep_advice",
+    "early_stop": "adaptive.orchestrator.early_stop",
 }
 
 

@@ -51,6 +51,9 @@ _ROWS = (
     GPU(name="rtx4090-24gb", memory_bytes=24564 * MiB, peak_tflops=165.0, bf16=True,
         memory_bandwidth_gbps=1008, link="PCIe 4.0 x16 (no P2P)", link_gbps=20,
         price_per_hour=0.34, mfu=0.35, aliases=('4090', 'rtx4090')),
+    GPU(name="rtx5090-32gb", memory_bytes=32607 * MiB, peak_tflops=209.5, bf16=True,
+        memory_bandwidth_gbps=1792, link="PCIe 5.0 x16 (no P2P)", link_gbps=25,
+        price_per_hour=0.69, mfu=0.35, aliases=('5090', 'rtx5090')),
     # A10G: 125 TFLOP/s on the datasheet, ~70 seen in practice; the MFU below is against 125.
     GPU(name="a10g-24gb", memory_bytes=23028 * MiB, peak_tflops=125.0, bf16=True,
         memory_bandwidth_gbps=600, link="PCIe 4.0 x16", link_gbps=25,

@@ -10,9 +10,8 @@ Two paths share one contract:
   shuffled with a buffer, split across ranks with `datasets.distributed.split_dataset_by_node`,
   then tokenized and packed on the fly per rank. Resuming at sample i re-reads and re-tokenizes
   the first i blocks of this rank's stream and throws them away: the cost is the data-loading part
-  of the steps being skipped (no model compute), dominated by download and tokenization. Measured
-  here (one process, 2-core CPU, built-in tokenizer, local text): about 0.4M tokens/s, so skipping
-  100M tokens per rank takes about 4 minutes; C4 adds its download time on top.
+  of the steps being skipped (no model compute), dominated by download and tokenization, so it grows
+  with the position resumed at.
 
 The sample order, for a rank, is a pure function of (data, seed, rank, world_size):
 
@@ -162,8 +161,8 @@ def _first_line(err: BaseException) -> str:
 def _hub_unreachable_reason() -> str | None:
     """Why the hub cannot be reached, or None if it may be (or offline mode will say so itself).
 
-    `datasets` retries an unreachable hub for about 24 s, logging each retry; a plain TCP connect
-    answers in milliseconds. Skipped in offline mode (`datasets` fails at once, or uses its cache)
+    `datasets` retries an unreachable hub several times, logging each retry; a plain TCP connect
+    answers at once. Skipped in offline mode (`datasets` fails at once, or uses its cache)
     and behind a proxy, which a direct connect cannot judge.
     """
     import datasets

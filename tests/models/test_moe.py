@@ -131,6 +131,7 @@ def test_eval_never_drops_by_default():
 def test_deepspeed_and_native_moe_give_the_same_logits(arch, mode):
     native = tiny_model(arch, drop_tokens=False)
     deepspeed = AdaptiveForCausalLM(tiny_config(arch, drop_tokens=False, moe_implementation="deepspeed"))
+    deepspeed.setup_expert_parallel()  # process groups before the first forward
     deepspeed.load_state_dict(native.state_dict())
     native.train(mode == "train")
     deepspeed.train(mode == "train")
@@ -152,6 +153,7 @@ def test_deepspeed_and_native_moe_give_the_same_logits(arch, mode):
 def test_deepspeed_block_drops_like_the_native_one():
     native = tiny_model("moe", capacity_factor=0.5).train()
     deepspeed = AdaptiveForCausalLM(tiny_config("moe", capacity_factor=0.5, moe_implementation="deepspeed")).train()
+    deepspeed.setup_expert_parallel()  # process groups before the first forward
     deepspeed.load_state_dict(native.state_dict())
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(8))
     a, b = native(ids), deepspeed(ids)
@@ -173,6 +175,7 @@ def test_deepspeed_checkpoint_loads_as_native_with_the_same_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 
     deepspeed = AdaptiveForCausalLM(tiny_config("hybrid", moe_implementation="deepspeed")).eval()
+    deepspeed.setup_expert_parallel()  # process groups before the first forward
     deepspeed.save_pretrained(tmp_path)
     assert deepspeed.config.moe_implementation == "deepspeed"  # saving does not change the running model
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
