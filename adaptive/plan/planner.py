@@ -148,11 +148,11 @@ def validate(req: FitRequest) -> None:
         try:
             parse_checkpoint_policy(req.checkpointing)
         except ValueError:
-            raise AdaptiveError(f"--checkpointing must be off, selective, full or a policy (mlp, every:N), "
+            raise AdaptiveError(f"--checkpoint-policy must be off, selective, full or a policy (mlp, every:N), "
                                 f"got {req.checkpointing!r}") from None
     if (req.checkpointing is not None and req.gradient_checkpointing is not None
             and (req.checkpointing == "full") != req.gradient_checkpointing):
-        raise AdaptiveError(f"--checkpointing {req.checkpointing} contradicts the pinned "
+        raise AdaptiveError(f"--checkpoint-policy {req.checkpointing} contradicts the pinned "
                             f"{'--checkpointing' if req.gradient_checkpointing else '--no-checkpointing'}")
     if req.kernels not in KERNELS:
         near = closest(req.kernels, KERNELS)

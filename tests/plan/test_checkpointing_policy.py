@@ -60,7 +60,7 @@ def test_the_oom_ladder_goes_through_selective_before_full():
 
 @pytest.mark.parametrize("bad", ["some", "every:0", "partial"])
 def test_unknown_policy_is_refused(bad):
-    with pytest.raises(AdaptiveError, match="--checkpointing must be off, selective, full"):
+    with pytest.raises(AdaptiveError, match="--checkpoint-policy must be off, selective, full"):
         fit(_b7_on(40, checkpoint_policy=bad))
 
 
