@@ -315,6 +315,8 @@ def checkpointing_candidates(req: FitRequest) -> list[str]:
         return [req.checkpointing]
     if req.gradient_checkpointing is not None:
         return ["full" if req.gradient_checkpointing else "off"]
+    if req.calibration is not None:  # a calibration file measures off and full only
+        return ["off", "full"]
     return ["off", *SELECTIVE_POLICIES, "full"]
 
 
@@ -338,7 +340,8 @@ def ladder(req: FitRequest, chosen: Candidate, global_tokens: int, host_mem: int
     spec = req.spec
     steps = [step(f"naive: micro-batch 1, seq {req.seq_len}, no checkpointing, ZeRO-{zero}"
                   + (f" + offload {off}" if off != "none" else ""), spec, req.seq_len, False)]
-    remedies = [(f"+ selective checkpointing ({policy})", spec, req.seq_len, policy) for policy in SELECTIVE_POLICIES]
+    selective = () if req.calibration is not None else SELECTIVE_POLICIES  # calibrated: off and full only
+    remedies = [(f"+ selective checkpointing ({policy})", spec, req.seq_len, policy) for policy in selective]
     remedies.append(("+ gradient checkpointing", spec, req.seq_len, True))
     if spec.is_moe and spec.name in PRESETS:
         spec = spec_from_shape(PRESETS[spec.name], "mod")
