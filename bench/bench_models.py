@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/bench_models.py            # full run
     PYTHONPATH=. python bench/bench_models.py --quick    # smoke run
+    PYTHONPATH=. python bench/bench_models.py --kernels-only   # lean vs plain kernels only
 
 Shape: hidden 256, 8 layers, GQA 8/2 heads, SwiGLU 2.75x, vocab 2048, batch 4 x seq 512. The ratios that
 matter are b1's: attention is ~20% of a layer's FLOPs at seq = hidden, the LM head ~6% of the model.
@@ -15,7 +16,9 @@ Prints:
 - our native MoE block vs transformers' MixtralSparseMoeBlock with the same weights (outputs checked equal
   first), at 8, 32 and 64 experts (top-2, 2048 tokens, expert width 704); target: not slower.
   Both blocks hold the same 3D expert tensors (Mixtral's layout); on CPU ours runs an exact per-expert
-  loop over the sorted groups, theirs `grouped_mm` (transformers' default) and `eager`.
+  loop over the sorted groups, theirs `grouped_mm` (transformers' default) and `eager`;
+- lean kernels (the default: adaptive/models/lean.py) vs plain kernels (transformers' Llama ops), dense and
+  MoE; target <= 1.10x.
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 32, 64],
                         help="expert counts of the MoE block rows")
     parser.add_argument("--blocks-only", action="store_true", help="only the MoE block rows (skip the models)")
+    parser.add_argument("--kernels-only", action="store_true", help="only lean vs plain kernels")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.seq = 2, 128
@@ -119,14 +123,31 @@ def main() -> None:
 
     models = {} if args.blocks_only else {
         "dense": build("dense"),
-        "mod_0.125": build("mod", mod_capacity=0.125),
-        "mod_0.5": build("mod", mod_capacity=0.5),
+        "dense_plain": build("dense", kernels="plain"),
         "moe_native": build("moe"),
-        "dense_same_active": build("dense", intermediate_size=2 * 704),
+        "moe_native_plain": build("moe", kernels="plain"),
     }
+    if not args.kernels_only:
+        models.update({
+            "mod_0.125": build("mod", mod_capacity=0.125),
+            "mod_0.5": build("mod", mod_capacity=0.5),
+            "dense_same_active": build("dense", intermediate_size=2 * 704),
+        })
     times = time_interleaved({name: (lambda m=m: lm_step(m, ids)) for name, m in models.items()}, args.repeats)
     if args.blocks_only:
-        times = dict.fromkeys(("dense", "mod_0.125", "mod_0.5", "moe_native", "dense_same_active"), float("nan"))
+        times = dict.fromkeys(("dense", "dense_plain", "mod_0.125", "mod_0.5", "moe_native", "moe_native_plain",
+                               "dense_same_active"), float("nan"))
+    kernel_rows = [
+        ("dense: lean kernels / plain kernels", times["dense"] / times["dense_plain"], "<= 1.10"),
+        ("native MoE: lean kernels / plain kernels", times["moe_native"] / times["moe_native_plain"], "<= 1.10"),
+    ]
+    if args.kernels_only:
+        print(f"CPU, {args.threads} threads, batch {args.batch} x seq {args.seq}, median of {args.repeats} fwd+bwd steps")
+        for name, seconds in times.items():
+            print(f"  {name:<20} {seconds * 1e3:8.1f} ms/step")
+        for name, ratio, target in kernel_rows:
+            print(f"{name:<45} {ratio:6.3f}x   target {target}")
+        return
 
     x = torch.randn(args.batch * args.seq, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(1))
     capacity_block = build("moe").model.layers[0].mlp.train()  # capacity_factor 1.0: the training default
@@ -137,7 +158,7 @@ def main() -> None:
           f"{SHAPE['num_hidden_layers']} layers, median of {args.repeats} fwd+bwd steps")
     for name, seconds in times.items():
         print(f"  {name:<20} {seconds * 1e3:8.1f} ms/step")
-    rows = [
+    rows = kernel_rows + [
         ("MoD 0.125 (every other block) / dense", times["mod_0.125"] / times["dense"], "<= 0.65 (ideal ~0.56)"),
         ("MoD 0.5 / dense", times["mod_0.5"] / times["dense"], "report"),
         ("native MoE 8x top-2 / dense same active", times["moe_native"] / times["dense_same_active"], "<= 1.3"),

@@ -29,12 +29,12 @@ def measure(
     model = config.model.name or "b7"
     zero = config.parallelism.zero or 0
     micro_batch = config.parallelism.micro_batch or 1
-    checkpointing = bool(config.checkpointing.gradient_checkpointing)
+    checkpointing = config.checkpointing.checkpoint_policy or bool(config.checkpointing.gradient_checkpointing)
     hw = config.hardware
     request = make_request(model=model, gpu=hw.gpu or ("a100-80gb" if hw.gpu_mem is None else None),
                            arch=config.model.arch, seq_len=config.data.seq_len or 2048, micro_batch=micro_batch,
                            capacity_factor=config.model.capacity_factor, mod_capacity=config.model.mod_capacity,
-                           zero=zero, gpu_mem_gib=hw.gpu_mem, gpu_tflops=hw.gpu_tflops)
+                           zero=zero, gpu_mem_gib=hw.gpu_mem, gpu_tflops=hw.gpu_tflops, kernels=config.model.kernels)
     validate(request)  # the ZeRO stage too: 0-3, and not 3 for MoE
     if save_calibration:  # before minutes of measuring, not after
         from adaptive.fidelity.calibrate import check_writable

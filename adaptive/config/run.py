@@ -66,6 +66,10 @@ class ModelOptions:
                                         help="MoD capacity (fraction of tokens routed).")
     attention: str = option("sdpa", "--attention", commands=FIT_ONLY,
                             help="Attention implementation: sdpa | eager (keeps the scores).")
+    kernels: str | None = option(
+        None, "--kernels", commands=ESTIMATE, choices=("lean", "plain"),
+        help="lean: adaptive's memory-lean RMSNorm, SwiGLU and chunked loss (what the recipes train); plain: "
+             "transformers' Llama ops. Default: lean, plain for a config.json transformers' own class trains.")
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,10 @@ class ParallelismOptions:
 class CheckpointingOptions:
     gradient_checkpointing: bool | None = option(None, "--checkpointing", commands=SHAPE,
                                                  negative="--no-checkpointing", help="Pin activation checkpointing.")
+    checkpoint_policy: str | None = option(
+        None, "--checkpoint-policy", commands=SHAPE,
+        help="Pin activation checkpointing: off, full, selective (the planner picks every:4, every:2 or mlp), or "
+             "a policy: every:N (every N-th block), mlp (each block recomputes its MLP half, keeps attention).")
 
 
 @dataclass(frozen=True)

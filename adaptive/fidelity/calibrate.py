@@ -20,7 +20,8 @@ def measure_calibration(request: FitRequest, model_arg: str, micro_batch: int = 
     act, bwd, method = [], [], ""
     for ckpt in (False, True):
         m = measure_step(request.spec, request.seq_len, micro_batch, ckpt, zero_stage=2, dtype=dtype,
-                         hf_config=hf_config, bucket_elements=1, capacity_factor=request.capacity_factor)
+                         hf_config=hf_config, bucket_elements=1, capacity_factor=request.capacity_factor,
+                         kernels=request.kernels)
         act.append(m.phases.activations / tokens)
         bwd.append(m.phases.backward / tokens)
         method = m.method.replace(", full activation checkpointing", "")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from adaptive.fidelity.measure import Measurement, measure_step
+from adaptive.fidelity.measure import Measurement, checkpoint_policy, measure_step, transformers_class_builds
 from adaptive.plan.hf_config import looks_like_path, read_config_json
 from adaptive.plan.memory import STAGE3_PREFETCH_ELEMENTS, TrainSetup, estimate_memory, reduce_bucket_elements
 from adaptive.plan.params import count_params
@@ -33,18 +33,24 @@ class FidelityReport:
         return max(self.parts, key=lambda p: abs(p.error))
 
 
-def setup_for(request: FitRequest, zero_stage: int, micro_batch: int, checkpointing: bool) -> TrainSetup:
+def setup_for(request: FitRequest, zero_stage: int, micro_batch: int, checkpointing: bool | str,
+              kernels: str | None = None) -> TrainSetup:
     """One GPU's setup: measurements run one process, so ZeRO partitions over one GPU."""
+    policy = checkpoint_policy(checkpointing)
     return TrainSetup(spec=request.spec, seq_len=request.seq_len, micro_batch_size=micro_batch,
                       zero_stage=zero_stage, offload_optimizer=False, offload_params=False,
-                      gradient_checkpointing=checkpointing, capacity_factor=request.capacity_factor)
+                      gradient_checkpointing=policy == "full", capacity_factor=request.capacity_factor,
+                      kernels=kernels or request.kernels,
+                      checkpoint_policy=None if policy in ("off", "full") else policy)
 
 
 def compare(request: FitRequest, model_arg: str, *, zero_stage: int = 0, micro_batch: int = 1,
-            checkpointing: bool = False, full_depth: bool = False) -> FidelityReport:
+            checkpointing: bool | str = False, full_depth: bool = False) -> FidelityReport:
     """Measure `request`'s model at the given settings and compare with `estimate_memory`."""
     hf_config = read_config_json(model_arg) if looks_like_path(model_arg) else None
-    setup = setup_for(request, zero_stage, micro_batch, checkpointing)
+    # transformers' classes run their own (plain) ops whatever the request says
+    kernels = "plain" if transformers_class_builds(request.spec, hf_config) else request.kernels
+    setup = setup_for(request, zero_stage, micro_batch, checkpointing, kernels)
     predicted = estimate_memory(setup)
     counts = count_params(request.spec)
     buckets: int | tuple[int, ...] = 0
@@ -55,7 +61,7 @@ def compare(request: FitRequest, model_arg: str, *, zero_stage: int = 0, micro_b
     dtype = "bf16" if request.gpu.bf16 else "fp16"
     m = measure_step(request.spec, setup.seq_len, micro_batch, checkpointing, zero_stage=zero_stage, dtype=dtype,
                      hf_config=hf_config, bucket_elements=buckets, full_depth=full_depth,
-                     capacity_factor=request.capacity_factor)
+                     capacity_factor=request.capacity_factor, kernels=kernels)
     p = predicted.parts
     # ZeRO-3 gathers each layer's parameters during forward and backward (4 bytes x the largest layer in
     # the plan). That is DeepSpeed's runtime, which a one-process fake step does not run: left out of
@@ -68,8 +74,7 @@ def compare(request: FitRequest, model_arg: str, *, zero_stage: int = 0, micro_b
                               "plan) is DeepSpeed runtime this step does not run, so it is left out of the "
                               "backward and peak figures on both sides")
     parts = (
-        PartComparison("activations (saved for backward)", p["activations"] + p["logits_and_loss"],
-                       m.phases.activations),
+        PartComparison("activations (saved for backward)", predicted.saved_bytes, m.phases.activations),
         PartComparison("backward phase (activations + working set)", backward, m.phases.backward),
         PartComparison("model states and buffers between steps", predicted.persistent_bytes, m.phases.persistent),
         PartComparison("optimizer step (fp32 gradients)", predicted.step_bytes, m.phases.step),
@@ -86,7 +91,9 @@ def report_dict(report: FidelityReport) -> dict:
         "seq_len": s.seq_len,
         "micro_batch_size": s.micro_batch_size,
         "gradient_checkpointing": s.gradient_checkpointing,
+        "checkpointing": s.checkpointing,
         "zero_stage": s.zero_stage,
+        "kernels": s.kernels,
         "method": report.measurement.method,
         "depths_built": list(report.measurement.depths),
         "layers": report.measurement.layers_total,

@@ -23,6 +23,7 @@ parameters and states; the working set of one layer does not grow with depth).
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from dataclasses import dataclass, replace
 
@@ -155,9 +156,11 @@ def transformers_class_builds(spec: ModelSpec, hf_config: dict | None) -> bool:
     return spec.arch == "dense" or hf_config.get("model_type") in MOE_TYPES
 
 
-def build_model(spec: ModelSpec, hf_config: dict | None, dtype: torch.dtype, checkpointing: bool,
-                attn_implementation: str = "sdpa", capacity_factor: float = 1.0) -> torch.nn.Module:
-    """Our model class for presets, our exports and our variants; transformers' class for other HF configs."""
+def build_model(spec: ModelSpec, hf_config: dict | None, dtype: torch.dtype, checkpointing: bool | str,
+                attn_implementation: str = "sdpa", capacity_factor: float = 1.0,
+                kernels: str = "lean") -> torch.nn.Module:
+    """Our model class for presets, our exports and our variants (with `kernels`); transformers' class
+    for other HF configs (its own ops: what "plain" counts)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -179,18 +182,36 @@ def build_model(spec: ModelSpec, hf_config: dict | None, dtype: torch.dtype, che
             from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
 
             overrides = {"capacity_factor": capacity_factor} if spec.is_moe else {}
+            overrides["kernels"] = kernels
             cfg = AdaptiveConfig.from_spec(spec, **overrides)
             cfg._attn_implementation = attn_implementation
             model = AdaptiveForCausalLM(cfg)
     finally:
         torch.set_default_dtype(previous)
     model.train()
-    if checkpointing:
+    policy = checkpoint_policy(checkpointing)
+    if transformers_class_builds(spec, hf_config) and policy != "off":
+        if policy == "mlp":
+            raise AdaptiveError(f"checkpointing policy 'mlp' needs adaptive's model class; transformers' "
+                                f"{hf_config['model_type']} checkpoints whole layers (full or every:N)")
+        every = 1 if policy == "full" else int(policy.split(":")[1])
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                                  every_n_layers=every)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif policy != "off":
+        from adaptive.models.checkpointing import apply_checkpointing
+
+        apply_checkpointing(model, policy)
     return model
+
+
+def checkpoint_policy(checkpointing: bool | str) -> str:
+    """True/False (full/off) or a policy name, as a policy name."""
+    if isinstance(checkpointing, bool):
+        return "full" if checkpointing else "off"
+    return checkpointing
 
 
 class EmulatedZeroOptimizer:
@@ -261,15 +282,15 @@ def _move_grad_into(buffer: torch.Tensor):
     return hook
 
 
-def run_phases(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool, *, zero_stage: int = 0,
+def run_phases(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str, *, zero_stage: int = 0,
                dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int | tuple[int, ...] = 0,
-               capacity_factor: float = 1.0, attn_implementation: str = "sdpa") -> Phases:
+               capacity_factor: float = 1.0, attn_implementation: str = "sdpa", kernels: str = "lean") -> Phases:
     """Two training steps on fake tensors; the second (optimizer states exist by then) is measured."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         tracker = PeakBytes()
         with tracker:
             model = build_model(spec, hf_config, DTYPES[dtype], checkpointing, attn_implementation,
-                                capacity_factor=capacity_factor)
+                                capacity_factor=capacity_factor, kernels=kernels)
             optimizer = EmulatedZeroOptimizer(model, zero_stage, bucket_elements)
             ids = torch.randint(0, spec.vocab_size, (micro_batch, seq_len))
             saved: dict = {}
@@ -289,6 +310,13 @@ def run_phases(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: b
                 optimizer.step()
                 step = tracker.peak - persistent
     return Phases(activations=saved["bytes"], persistent=persistent, backward=backward, step=step)
+
+
+def _checkpointing_words(checkpointing: bool | str) -> str:
+    policy = checkpoint_policy(checkpointing)
+    if policy == "off":
+        return ""
+    return ", full activation checkpointing" if policy == "full" else f", selective checkpointing {policy}"
 
 
 def reduced(spec: ModelSpec, hf_config: dict | None, depth: int) -> tuple[ModelSpec, dict | None]:
@@ -317,21 +345,27 @@ def pattern_period(spec: ModelSpec, hf_config: dict | None) -> int:
     return len(types)
 
 
-def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool, *, zero_stage: int = 0,
+def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str, *, zero_stage: int = 0,
                  dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int | tuple[int, ...] = 0,
                  full_depth: bool = False, capacity_factor: float = 1.0,
-                 attn_implementation: str = "sdpa") -> Measurement:
-    """Measure at full depth, or at two depths (2 and 4 repeats of the layer pattern) extrapolated."""
+                 attn_implementation: str = "sdpa", kernels: str = "lean") -> Measurement:
+    """Measure at full depth, or at two depths (2 and 4 repeats of the layer pattern) extrapolated.
+    `kernels` applies to our class; transformers' classes run their own (plain) ops."""
     if not transformers_class_builds(spec, hf_config):
         hf_config = None  # our class, built from the spec
     kw = dict(zero_stage=zero_stage, dtype=dtype, hf_config=hf_config, bucket_elements=bucket_elements,
-              capacity_factor=capacity_factor, attn_implementation=attn_implementation)
+              capacity_factor=capacity_factor, attn_implementation=attn_implementation, kernels=kernels)
     total = spec.num_hidden_layers
     period = pattern_period(spec, hf_config)
+    policy = checkpoint_policy(checkpointing)
+    if policy.startswith("every:"):  # checkpointed layers 0, N, 2N, ...: the pattern repeats every lcm layers
+        period = math.lcm(period, int(policy.split(":")[1]))
+        full_depth = full_depth or total % period != 0  # a partial last period does not extrapolate
     d1, d2 = 2 * period, 4 * period
     name = hf_config["model_type"] if hf_config and hf_config.get("model_type") != "adaptive" else "adaptive"
-    what = (f"the {name} model class on fake tensors (no memory), {dtype}, micro-batch {micro_batch} x "
-            f"sequence {seq_len}{', full activation checkpointing' if checkpointing else ''}"
+    ops = f" with {kernels} kernels" if name == "adaptive" else ""
+    what = (f"the {name} model class{ops} on fake tensors (no memory), {dtype}, micro-batch {micro_batch} x "
+            f"sequence {seq_len}{_checkpointing_words(checkpointing)}"
             f"{', eager attention' if attn_implementation == 'eager' else ''}"
             f"{f', MoE capacity factor {capacity_factor:g}' if spec.is_moe and hf_config is None else ''}"
             f"{f', MoD capacity {spec.mod_capacity:g}' if spec.is_mod else ''}: two training steps "

@@ -25,6 +25,7 @@ MOE_IMPLEMENTATIONS = ("native", "deepspeed")
 MOD_ROUTING = ("auto", "topk", "causal")
 MOD_ROUTER_WEIGHTS = ("sigmoid", "logit", "none")
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
+KERNELS = ("lean", "plain")
 
 # `preset_spec` knobs that shape the layer pattern; the HF-named config fields map onto them.
 _SPEC_KNOBS = {
@@ -104,6 +105,9 @@ class AdaptiveConfig(PreTrainedConfig):
     mod_aux_loss_coef: float = 0.1
     mod_routing: str = "auto"
     mod_router_weight: str = "sigmoid"
+    # "lean": RMSNorm, SwiGLU and the training loss save fewer bytes for backward (same values; see
+    # lean.py); "plain": transformers' Llama ops, tensor for tensor
+    kernels: str = "lean"
     # provenance
     preset: str | None = None
     arch: str | None = None
@@ -248,6 +252,7 @@ def _check(c: AdaptiveConfig) -> None:
     _choice("mod_routing", c.mod_routing, MOD_ROUTING)
     _choice("mod_router_weight", c.mod_router_weight, MOD_ROUTER_WEIGHTS)
     _choice("noisy_gate_policy", c.noisy_gate_policy, NOISY_GATE_POLICIES)
+    _choice("kernels", c.kernels, KERNELS)
     if c.moe_layers:
         if c.num_local_experts < 1:
             raise AdaptiveError(f"num_local_experts must be at least 1 for MoE layers, got {c.num_local_experts}")
@@ -279,4 +284,4 @@ def _check(c: AdaptiveConfig) -> None:
             raise AdaptiveError(f"mod_predictor_hidden_size must be >= 0, got {c.mod_predictor_hidden_size}")
 
 
-__all__ = ["AdaptiveConfig", "MOE_IMPLEMENTATIONS", "MOD_ROUTING", "MOD_ROUTER_WEIGHTS"]
+__all__ = ["AdaptiveConfig", "KERNELS", "MOE_IMPLEMENTATIONS", "MOD_ROUTING", "MOD_ROUTER_WEIGHTS"]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -26,6 +27,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 
 from adaptive.errors import AdaptiveError
 from adaptive.models.configuration_adaptive import AdaptiveConfig
+from adaptive.models.lean import LeanLMHead, LeanSwiGLUDown, lean_causal_lm_loss, rms_norm
 from adaptive.models.mod import (
     MoDRouter,
     MoDStats,
@@ -51,12 +53,17 @@ logger = logging.get_logger(__name__)
 
 
 class AdaptiveRMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+    """`lean`: the same values through `lean.RMSNormFunction`, which saves x and 1/rms only."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, lean: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
+        self.lean = lean
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.lean:
+            return rms_norm(hidden_states, self.weight, self.variance_epsilon)
         dtype = hidden_states.dtype
         hidden_states = hidden_states.float()
         hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
@@ -100,16 +107,21 @@ def apply_rotary_pos_emb(q, k, cos, sin):
 
 
 class AdaptiveMLP(nn.Module):
-    """SwiGLU. Also the expert module of the MoE blocks."""
+    """SwiGLU. Also the expert module of the MoE blocks. `lean` (silu only): the down projection
+    recomputes silu(gate) * up in backward instead of keeping it (`lean.SwiGLUDownFunction`)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu"):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu",
+                 lean: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = LeanSwiGLUDown(intermediate_size, hidden_size, bias=bias)
         self.act_fn = ACT2FN[act]
+        self.lean = lean and act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lean:
+            return self.down_proj(self.gate_proj(x), self.up_proj(x))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -211,8 +223,9 @@ class LayerOutput(NamedTuple):
 
 
 def build_mlp(config: AdaptiveConfig, layer_type: str) -> nn.Module:
+    lean = config.kernels == "lean"
     if not block_type(layer_type).has_experts:
-        return AdaptiveMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act)
+        return AdaptiveMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act, lean)
 
     knobs = dict(
         capacity_factor=config.capacity_factor, eval_capacity_factor=config.eval_capacity_factor,
@@ -222,6 +235,7 @@ def build_mlp(config: AdaptiveConfig, layer_type: str) -> nn.Module:
     if config.moe_implementation == "deepspeed":
         from adaptive.models.moe_deepspeed import DeepSpeedMoE  # imports deepspeed: only on demand
 
+        # plain ops, as the native grouped experts run them: both implementations hold the same bytes
         expert = AdaptiveMLP(config.hidden_size, config.moe_intermediate_size, config.mlp_bias, config.hidden_act)
         return DeepSpeedMoE(config.hidden_size, expert, config.num_local_experts, config.num_experts_per_tok,
                             config.ep_size, **knobs)
@@ -239,12 +253,14 @@ class AdaptiveDecoderLayer(GradientCheckpointingLayer):
         self.layer_type = config.block_types[layer_idx]
         self.self_attn = AdaptiveAttention(config, layer_idx)
         self.mlp = build_mlp(config, self.layer_type)
-        self.input_layernorm = AdaptiveRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = AdaptiveRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        lean = config.kernels == "lean"
+        self.input_layernorm = AdaptiveRMSNorm(config.hidden_size, eps=config.rms_norm_eps, lean=lean)
+        self.post_attention_layernorm = AdaptiveRMSNorm(config.hidden_size, eps=config.rms_norm_eps, lean=lean)
         kind = block_type(self.layer_type)
         self.is_moe = kind.has_experts
         routed = kind.routed
         self.mod = MoDRouter(config.hidden_size, config.mod_predictor_hidden_size) if routed else None
+        self.checkpoint_mlp = False  # selective checkpointing: recompute the MLP half (checkpointing.py)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -275,13 +291,18 @@ class AdaptiveDecoderLayer(GradientCheckpointingLayer):
             self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, routed, **kwargs
         )
         residual = hidden_states + attn
-        mlp_in = self.post_attention_layernorm(residual)
-        moe = None
-        if self.is_moe:
-            mlp_out, moe = self.mlp(mlp_in, used)
+        if self.checkpoint_mlp and self.training and torch.is_grad_enabled():
+            # keeps only the MLP half's input; its norm and MLP (or MoE) run again in backward
+            mlp_out, moe = torch.utils.checkpoint.checkpoint(self._mlp_half, residual, used, use_reentrant=False)
         else:
-            mlp_out = self.mlp(mlp_in)
+            mlp_out, moe = self._mlp_half(residual, used)
         return (attn + mlp_out if routed is not None else residual + mlp_out), moe, weights
+
+    def _mlp_half(self, residual: torch.Tensor, used: torch.Tensor | None):
+        mlp_in = self.post_attention_layernorm(residual)
+        if self.is_moe:
+            return self.mlp(mlp_in, used)
+        return self.mlp(mlp_in), None
 
     def _expert_parallel_group(self):
         """The EP group of a hybrid layer's DeepSpeed MoE (ep_size > 1), else None."""
@@ -577,7 +598,7 @@ class AdaptiveModel(AdaptivePreTrainedModel):
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([AdaptiveDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = AdaptiveRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = AdaptiveRMSNorm(config.hidden_size, eps=config.rms_norm_eps, lean=config.kernels == "lean")
         self.rotary_emb = AdaptiveRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()
@@ -703,7 +724,7 @@ class AdaptiveForCausalLM(AdaptivePreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = AdaptiveModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LeanLMHead(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -723,18 +744,27 @@ class AdaptiveForCausalLM(AdaptivePreTrainedModel, GenerationMixin):
         output_router_logits: bool | None = None,
         **kwargs,
     ) -> AdaptiveCausalLMOutputWithPast:
-        """`labels` are the input ids (not shifted): the loss shifts them once, as in transformers."""
+        """`labels` are the input ids (not shifted): the loss shifts them once, as in transformers.
+
+        In training with labels and `config.kernels == "lean"`, the loss goes through the chunked LM
+        head (`lean.ChunkedLMLossFunction`) and `logits` is None (as Liger-Kernel's fused loss does):
+        the full logits are never built. Evaluation, generation and `kernels="plain"` return logits.
+        """
         outputs: AdaptiveModelOutputWithPast = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
             output_attentions=output_attentions, output_router_logits=output_router_logits, **kwargs,
         )
-        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-            if outputs.aux_loss is not None:
-                loss = loss + outputs.aux_loss.to(loss.device)
+        loss = logits = None
+        if labels is not None and self._lean_loss(logits_to_keep, kwargs):
+            loss = lean_causal_lm_loss(self.lm_head, outputs.last_hidden_state, labels,
+                                       kwargs.get("num_items_in_batch"))
+        else:
+            logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+            if labels is not None:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        if loss is not None and outputs.aux_loss is not None:
+            loss = loss + outputs.aux_loss.to(loss.device)
         return AdaptiveCausalLMOutputWithPast(
             loss=loss,
             aux_loss=outputs.aux_loss,
@@ -745,6 +775,13 @@ class AdaptiveForCausalLM(AdaptivePreTrainedModel, GenerationMixin):
             router_stats=outputs.router_stats,
             router_logits=outputs.router_logits,
         )
+
+    def _lean_loss(self, logits_to_keep, loss_kwargs: dict) -> bool:
+        """The chunked loss: lean kernels, training, all positions, labels shifted by us, and our head
+        (a resized vocabulary gets transformers' plain nn.Linear)."""
+        return (self.config.kernels == "lean" and self.training and isinstance(logits_to_keep, int)
+                and logits_to_keep == 0 and "shift_labels" not in loss_kwargs
+                and isinstance(self.lm_head, LeanLMHead))
 
 
 __all__ = [

@@ -149,3 +149,12 @@ def _spec_from_adaptive_config(cfg: dict, path: str) -> ModelSpec:
         return ModelSpec(**data)
     except TypeError as e:
         raise AdaptiveError(f"config.json {path!r} is not a complete adaptive config: {e}") from None
+
+
+def default_kernels(spec: ModelSpec) -> str:
+    """"plain" for an HF config.json that transformers' own class trains (its Llama-style ops), else
+    "lean" (adaptive's classes: presets, our exports, our MoE/MoD/hybrid variants of a dense shape)."""
+    if not spec.source.startswith("hf:") or spec.source == "hf:adaptive":
+        return "lean"
+    return "plain" if spec.arch == "dense" or spec.source[3:] in MOE_TYPES else "lean"
+

@@ -10,7 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from adaptive.plan.activations import activation_bytes, backward_peak_bytes
+from adaptive.errors import AdaptiveError
+from adaptive.plan.activations import (
+    activation_bytes,
+    backward_peak_bytes,
+    loss_saved_bytes_per_token,
+    loss_working_bytes,
+)
 from adaptive.plan.attention import eager_extra_saved_bytes, eager_recompute_bytes
 from adaptive.plan.calibration import Calibration
 from adaptive.plan.optimizers import step_transient_bytes
@@ -60,6 +66,15 @@ class TrainSetup:
     prefetch_bucket_elements: int | None = None
     overlap_comm: bool = True  # ZeRO-1/2 double-buffer the reduce bucket with overlap_comm
     fp16: bool = False  # fp16 with loss scaling (no bf16 on the GPU): DeepSpeed's FP16_Optimizer at ZeRO-0
+    kernels: str = "lean"  # adaptive's lean blocks, or "plain" (transformers' Llama ops): activations.py
+    checkpoint_policy: str | None = None  # selective checkpointing ("mlp", "every:N") when not full
+
+    @property
+    def checkpointing(self) -> str:
+        """The policy in force: "full", a selective one, or "off"."""
+        if self.gradient_checkpointing:
+            return "full"
+        return self.checkpoint_policy or "off"
 
     @property
     def world_size(self) -> int:
@@ -86,6 +101,7 @@ class MemoryEstimate:
     step_bytes: int  # on top of persistent during the optimizer step
     peak_gpu_bytes: int  # persistent + max(backward, step) + fragmentation + CUDA context
     host_bytes_per_node: int  # CPU RAM the offloaded states need on each node (0 without offload)
+    saved_bytes: int = 0  # what autograd holds at the end of forward (plain: the log-softmax included)
 
     @property
     def peak_phase(self) -> str:
@@ -205,25 +221,37 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
     offload = setup.offload_optimizer
     parts["zero3_grad_partition"] = int(2 * partition) if setup.zero_stage == 3 and not offload else 0
     tokens, ckpt = setup.tokens_per_micro_batch, setup.gradient_checkpointing
+    policy = setup.checkpointing
+    if setup.calibration is not None and policy not in ("off", "full"):
+        raise AdaptiveError(f"a calibration file covers checkpointing off and full, not {policy!r}")
     if setup.calibration is not None:
         saved = setup.calibration.activation_bytes(tokens, ckpt)
         backward_peak = setup.calibration.backward_bytes(tokens, ckpt)
     else:
-        saved = activation_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, ckpt, setup.capacity_factor)
-        backward_peak = backward_peak_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, ckpt,
-                                            setup.capacity_factor)
-    # Eager attention: its score-sized tensors (attention.py), kept, or recomputed one layer at a time
+        saved = activation_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, policy, setup.capacity_factor,
+                                 setup.kernels)
+        backward_peak = backward_peak_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, policy,
+                                            setup.capacity_factor, setup.kernels)
+    # Eager attention: its score-sized tensors (attention.py), kept by the blocks that are not checkpointed,
+    # recomputed one layer at a time by those that are (the mlp policy keeps attention)
     scores_saved = scores_recompute = 0
     if setup.attention == "eager":
-        if ckpt:
+        kept = 0.0 if policy == "full" else 1 - 1 / int(policy.split(":")[1]) if policy.startswith("every:") else 1.0
+        if kept < 1:
             scores_recompute = eager_recompute_bytes(setup.spec, setup.seq_len, setup.micro_batch_size)
-        else:
-            scores_saved = eager_extra_saved_bytes(setup.spec, setup.seq_len, setup.micro_batch_size)
+        scores_saved = int(kept * eager_extra_saved_bytes(setup.spec, setup.seq_len, setup.micro_batch_size))
     parts["attention_scores"] = scores_saved
-    log_softmax = min(saved, tokens * setup.spec.vocab_size * 4)
-    parts["activations"] = saved - log_softmax
-    parts["logits_and_loss"] = log_softmax  # the loss keeps its fp32 log-softmax for backward
-    parts["backward_transient"] = backward_peak - saved + scores_recompute
+    if setup.kernels == "plain":
+        # the loss keeps its fp32 log-softmax for backward; its backward working set is in the transient
+        loss = min(saved, tokens * loss_saved_bytes_per_token(setup.spec, "plain"))
+        parts["activations"] = saved - loss
+    else:
+        # the chunked loss keeps nothing vocabulary-wide: its part is its backward working set (a tile of
+        # logits, the head's input and weight gradients); the transient is what a layer's backward adds
+        loss = min(backward_peak - saved, loss_working_bytes(setup.spec, tokens, "lean"))
+        parts["activations"] = saved
+    parts["logits_and_loss"] = loss
+    parts["backward_transient"] = backward_peak - parts["activations"] - loss + scores_recompute
     parts["comm_buckets"] = comm_buffer_bytes(setup, counts)
     # the optimizer's own temporaries during its step (foreach AdamW: an fp32 copy of what it updates)
     updated = local if setup.zero_stage == 0 else partition
@@ -280,4 +308,4 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
     return MemoryEstimate(parts=parts, persistent_bytes=int(persistent), backward_bytes=int(backward),
                           step_bytes=int(step),
                           peak_gpu_bytes=int(allocated + parts["fragmentation"] + parts["cuda_context"]),
-                          host_bytes_per_node=host_bytes_per_node(setup, counts))
+                          host_bytes_per_node=host_bytes_per_node(setup, counts), saved_bytes=int(saved))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from adaptive.errors import AdaptiveError, require_positive
+from adaptive.errors import AdaptiveError, closest, require_positive
+from adaptive.plan.activations import CHECKPOINTING, KERNELS, SELECTIVE_POLICIES, parse_checkpoint_policy
 from adaptive.plan.advice import OrchestratorAdvice, orchestrator_advice
 from adaptive.plan.calibration import Calibration
 from adaptive.plan.ds_config_input import DsConfigInput
@@ -53,6 +54,10 @@ class FitRequest:
     ds_config: DsConfigInput | None = None  # a user's DeepSpeed JSON: buckets, overlap_comm (pins are merged in)
     peak_correction: float = 1.0  # measured/predicted allocated peak of a real run on this GPU (--calibrate RUN_DIR)
     calibrated: tuple[str, ...] = ()  # which figures are calibrated, and from what
+    kernels: str = "lean"  # lean: adaptive's models; plain: transformers' Llama-style ops (activations.py)
+    # off | full | selective (the planner picks among SELECTIVE_POLICIES) | a pinned policy (mlp, every:N);
+    # None: gradient_checkpointing decides (None there too: the planner tries off, selective, full)
+    checkpointing: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -161,6 +166,20 @@ def validate(req: FitRequest) -> None:
         raise AdaptiveError(f"--offload all offloads parameters, which needs ZeRO-3, not --zero {req.zero_stage}")
     if req.offload in ("optimizer", "all") and req.zero_stage == 0:
         raise AdaptiveError("--offload needs ZeRO stage 1 or higher; --zero 0 has no partitioned optimizer")
+    if req.checkpointing is not None and req.checkpointing not in CHECKPOINTING:
+        try:
+            parse_checkpoint_policy(req.checkpointing)
+        except ValueError:
+            raise AdaptiveError(f"--checkpoint-policy must be off, selective, full or a policy (mlp, every:N), "
+                                f"got {req.checkpointing!r}") from None
+    if (req.checkpointing is not None and req.gradient_checkpointing is not None
+            and (req.checkpointing == "full") != req.gradient_checkpointing):
+        raise AdaptiveError(f"--checkpoint-policy {req.checkpointing} contradicts the pinned "
+                            f"{'--checkpointing' if req.gradient_checkpointing else '--no-checkpointing'}")
+    if req.kernels not in KERNELS:
+        near = closest(req.kernels, KERNELS)
+        raise AdaptiveError(f"--kernels must be one of {', '.join(KERNELS)}, got {req.kernels!r}"
+                            + (f"; did you mean {near}?" if near else ""))
     if req.min_seq_len is not None and req.min_seq_len > req.seq_len:
         raise AdaptiveError(f"--min-seq-len ({req.min_seq_len}) must not exceed --seq-len ({req.seq_len})")
     if req.seq_len > req.spec.max_position_embeddings * 8:
@@ -264,18 +283,21 @@ def micro_batch_candidates(req: FitRequest, global_tokens: int, seq: int) -> lis
 
 
 def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, offload: str,
-             ckpt: bool, ep: int, global_tokens: int, host_mem: int) -> Candidate:
+             ckpt: bool | str, ep: int, global_tokens: int, host_mem: int) -> Candidate:
+    """`ckpt`: False/True (off/full) or a checkpointing policy."""
     accum = req.grad_accum or grad_accum_for(req, global_tokens, seq, micro)
+    policy = ("full" if ckpt else "off") if isinstance(ckpt, bool) else ckpt
     ds = req.ds_config
     buckets = {} if ds is None else dict(
         reduce_bucket_elements=ds.reduce_bucket_elements, allgather_bucket_elements=ds.allgather_bucket_elements,
         prefetch_bucket_elements=ds.prefetch_bucket_elements, overlap_comm=ds.overlap_for(zero))
     setup = TrainSetup(spec=spec, seq_len=seq, micro_batch_size=micro, zero_stage=zero,
                        offload_optimizer=offload in ("optimizer", "all"), offload_params=offload == "all",
-                       gradient_checkpointing=ckpt, gpus_per_node=req.gpus_per_node, num_nodes=req.num_nodes,
-                       ep_size=ep, capacity_factor=req.capacity_factor, calibration=req.calibration,
-                       gradient_accumulation_steps=accum, optimizer=req.optimizer, attention=req.attention,
-                       fp16=not req.gpu.bf16, **buckets)
+                       gradient_checkpointing=policy == "full", gpus_per_node=req.gpus_per_node,
+                       num_nodes=req.num_nodes, ep_size=ep, capacity_factor=req.capacity_factor,
+                       calibration=req.calibration, gradient_accumulation_steps=accum, optimizer=req.optimizer,
+                       attention=req.attention, fp16=not req.gpu.bf16, kernels=req.kernels,
+                       checkpoint_policy=None if policy in ("off", "full") else policy, **buckets)
     mem = corrected(estimate_memory(setup), req.peak_correction)
     tp = estimate_throughput(setup, req.gpu, accum, req.mfu)
     return Candidate(setup=setup, memory=mem, throughput=tp,
@@ -291,23 +313,40 @@ def _preference(c: Candidate) -> tuple:
             -c.memory.peak_gpu_bytes, -s.zero_stage, -s.ep_size)
 
 
-def search(req: FitRequest, spec: ModelSpec, global_tokens: int, host_mem: int) -> tuple[Candidate | None, list[Candidate]]:
+def search(req: FitRequest, spec: ModelSpec, global_tokens: int, host_mem: int,
+           ckpts: list[str] | None = None) -> tuple[Candidate | None, list[Candidate]]:
     """The best fitting candidate at the longest sequence that fits, and everything evaluated."""
-    ckpts = [req.gradient_checkpointing] if req.gradient_checkpointing is not None else [False, True]
+    ckpts = ckpts or checkpointing_candidates(req)
     evaluated: list[Candidate] = []
     for seq in sequence_candidates(req):
         fitting = []
         for zero, off in zero_offload_candidates(req):
             for ep in ep_candidates(req):
-                for ckpt in ckpts:
-                    for micro in micro_batch_candidates(req, global_tokens, seq):
+                for micro in micro_batch_candidates(req, global_tokens, seq):
+                    # cheapest recompute first: at the same settings more recompute only costs time, so
+                    # the first policy that fits is the only one worth keeping
+                    for ckpt in ckpts:
                         c = evaluate(req, spec, seq, micro, zero, off, ckpt, ep, global_tokens, host_mem)
                         evaluated.append(c)
                         if c.fits:
                             fitting.append(c)
+                            break
         if fitting:
             return max(fitting, key=_preference), evaluated
     return None, evaluated
+
+
+def checkpointing_candidates(req: FitRequest) -> list[str]:
+    """Policies to try, cheapest recompute first: off, the selective ones, full (the OOM ladder's order)."""
+    if req.checkpointing == "selective":
+        return list(SELECTIVE_POLICIES)
+    if req.checkpointing is not None:
+        return [req.checkpointing]
+    if req.gradient_checkpointing is not None:
+        return ["full" if req.gradient_checkpointing else "off"]
+    if req.calibration is not None:  # a calibration file measures off and full only
+        return ["off", "full"]
+    return ["off", *SELECTIVE_POLICIES, "full"]
 
 
 def _closeness(c: Candidate) -> tuple:
@@ -323,14 +362,16 @@ def ladder(req: FitRequest, chosen: Candidate, global_tokens: int, host_mem: int
     zero = s.zero_stage
     off = "all" if s.offload_params else "optimizer" if s.offload_optimizer else "none"
 
-    def step(change: str, spec: ModelSpec, seq: int, ckpt: bool) -> LadderStep:
+    def step(change: str, spec: ModelSpec, seq: int, ckpt: bool | str) -> LadderStep:
         c = evaluate(req, spec, seq, 1, zero, off, ckpt, s.ep_size if spec.is_moe else 1, global_tokens, host_mem)
         return LadderStep(change, c.memory.peak_gpu_bytes, c.fits, c.fits_gpu)
 
     spec = req.spec
     steps = [step(f"naive: micro-batch 1, seq {req.seq_len}, no checkpointing, ZeRO-{zero}"
                   + (f" + offload {off}" if off != "none" else ""), spec, req.seq_len, False)]
-    remedies = [("+ gradient checkpointing", spec, req.seq_len, True)]
+    selective = () if req.calibration is not None else SELECTIVE_POLICIES  # calibrated: off and full only
+    remedies = [(f"+ selective checkpointing ({policy})", spec, req.seq_len, policy) for policy in selective]
+    remedies.append(("+ gradient checkpointing", spec, req.seq_len, True))
     if spec.is_moe and spec.name in PRESETS:
         spec = spec_from_shape(PRESETS[spec.name], "mod")
         remedies.append(("+ MoD instead of MoE", spec, req.seq_len, True))
@@ -373,7 +414,7 @@ def what_would_fit(req: FitRequest, global_tokens: int) -> tuple[str, ...]:
     """When nothing fits: more GPUs of this type, a larger GPU, MoD instead of MoE, a shorter sequence."""
     out = []
     free = replace(req, zero_stage=None, offload=None, micro_batch_size=None, grad_accum=None,
-                   gradient_checkpointing=None, ep_size=None, min_seq_len=None)
+                   gradient_checkpointing=None, checkpointing=None, ep_size=None, min_seq_len=None)
     for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
         if n <= req.world_size:
             continue
@@ -421,14 +462,16 @@ def search_all(req: FitRequest, global_tokens: int) -> list[Candidate]:
 
 
 def _best(req: FitRequest, global_tokens: int) -> Candidate | None:
-    return search(req, req.spec, max(global_tokens, req.seq_len), host_mem_for(req))[0]
+    """What-would-fit hints search checkpointing off and full only: the selective policies lie between
+    them and would multiply the scan over the catalog by 2.5 (`adaptive fit` must stay well under a second)."""
+    return search(req, req.spec, max(global_tokens, req.seq_len), host_mem_for(req), ["off", "full"])[0]
 
 
 def describe(c: Candidate) -> str:
     """A one-line summary of a candidate: "ZeRO-2 + offload optimizer, micro-batch 2 x 64, ..." """
     s = c.setup
     off = " + offload all" if s.offload_params else " + offload optimizer" if s.offload_optimizer else ""
-    ckpt = ", checkpointing" if s.gradient_checkpointing else ""
+    ckpt = {"off": "", "full": ", checkpointing"}.get(s.checkpointing, f", selective checkpointing {s.checkpointing}")
     ep = f", ep_size {s.ep_size}" if s.spec.is_moe else ""
     return (f"ZeRO-{s.zero_stage}{off}, micro-batch {s.micro_batch_size} x {c.grad_accum} accumulation{ckpt}{ep}, "
             f"peak {c.memory.peak_gpu_bytes / 2**30:.1f} GiB")

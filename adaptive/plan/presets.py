@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 from adaptive.errors import AdaptiveError, unknown
 from adaptive.plan.blocks import BLOCK_TYPES, block_type
@@ -103,19 +104,19 @@ class ModelSpec:
     source: str = "preset"
     nominal_params: float | None = None
 
-    @property
+    @cached_property  # the planner asks thousands of times per fit
     def is_moe(self) -> bool:
         return any(block_type(t).has_experts for t in self.layer_types)
 
-    @property
+    @cached_property  # the planner asks thousands of times per fit
     def is_mod(self) -> bool:
         return any(block_type(t).routed for t in self.layer_types)
 
-    @property
+    @cached_property  # the planner asks thousands of times per fit
     def num_moe_layers(self) -> int:
         return sum(block_type(t).has_experts for t in self.layer_types)
 
-    @property
+    @cached_property  # the planner asks thousands of times per fit
     def num_mod_layers(self) -> int:
         return sum(block_type(t).routed for t in self.layer_types)
 

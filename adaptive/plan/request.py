@@ -12,7 +12,7 @@ from adaptive.plan.attention import ATTENTIONS
 from adaptive.plan.calibration import load as load_calibration
 from adaptive.plan.ds_config_input import DsConfigInput, parse as parse_ds_config
 from adaptive.plan.gpus import GiB, GPU, custom_gpu, get_gpu
-from adaptive.plan.hf_config import looks_like_path, spec_from_hf_config
+from adaptive.plan.hf_config import default_kernels, looks_like_path, spec_from_hf_config
 from adaptive.plan.optimizers import check_optimizer
 from adaptive.plan.planner import FitRequest
 from adaptive.plan.presets import ModelSpec, preset_spec
@@ -54,7 +54,9 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
                  price: float | None = None, host_mem_gib: float | None = None,
                  gpu_mem_gib: float | None = None, gpu_tflops: float | None = None,
                  calibrate: str | None = None, optimizer: str | None = None, attention: str = "sdpa",
-                 ds_config: str | None = None) -> FitRequest:
+                 ds_config: str | None = None, kernels: str | None = None,
+                 checkpoint_policy: str | None = None) -> FitRequest:
+    """`kernels` None: "lean" for adaptive's models, "plain" for a config.json transformers' class trains."""
     require_positive("--host-mem", host_mem_gib)
     spec = resolve_model(model, arch, mod_capacity)
     if attention not in ATTENTIONS:
@@ -83,6 +85,8 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         host_mem_bytes=int(host_mem_gib * GiB) if host_mem_gib is not None else None,
         calibration=activations, optimizer=optimizer or "auto", attention=attention, ds_config=ds,
         calibrated=(f"activations (measured at seq {activations.seq_len}: {activations.method})",) if activations else (),
+        kernels=kernels or default_kernels(spec),
+        checkpointing=checkpoint_policy,
     )
     return calibrate_with_run(request, run) if run is not None else request
 
@@ -149,4 +153,5 @@ def request_from_config(config: RunConfig, *, model: str = "b7", calibrate: str 
         grad_accum=par.grad_accum, checkpointing=config.checkpointing.gradient_checkpointing, ep_size=par.ep_size,
         capacity_factor=m.capacity_factor, mod_capacity=m.mod_capacity, mfu=hw.mfu, price=hw.price,
         host_mem_gib=hw.host_mem, gpu_mem_gib=hw.gpu_mem, gpu_tflops=hw.gpu_tflops, calibrate=calibrate,
-        optimizer=config.optimizer.optimizer, attention=m.attention, ds_config=par.ds_config)
+        optimizer=config.optimizer.optimizer, attention=m.attention, ds_config=par.ds_config,
+        kernels=m.kernels, checkpoint_policy=config.checkpointing.checkpoint_policy)

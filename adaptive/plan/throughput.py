@@ -72,16 +72,38 @@ def model_flops_per_token(s: ModelSpec, seq_len: int) -> float:
     return flops
 
 
-def hardware_flops_per_token(s: ModelSpec, seq_len: int, checkpointing: bool, capacity_factor: float) -> float:
-    """FLOPs the GPU really runs: MoE experts run on k·cf capacity slots per token, and full
-    checkpointing recomputes each layer's forward (a third of its training FLOPs)."""
+def recompute_fraction(s: ModelSpec, checkpointing: bool | str) -> float:
+    """Share of the layers' forward that checkpointing runs again: 1 (full), 1/N of the layers (every:N,
+    ceil(L/N) of L), or the MLP half's share of a layer's matmul weights ("mlp"; attention scores
+    ignored, MoE counted at its active experts)."""
+    if isinstance(checkpointing, bool):
+        return 1.0 if checkpointing else 0.0
+    if checkpointing == "off":
+        return 0.0
+    if checkpointing == "full":
+        return 1.0
+    if checkpointing.startswith("every:"):
+        n = int(checkpointing.split(":")[1])
+        layers = len(s.layer_types)
+        return math.ceil(layers / n) / layers
+    h, q, kv = s.hidden_size, s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+    attention = h * (2 * q + 2 * kv)
+    mlp = 3 * h * (s.moe_intermediate_size * s.num_experts_per_tok if s.is_moe else s.intermediate_size)
+    return mlp / (mlp + attention)
+
+
+@lru_cache(maxsize=4096)
+def hardware_flops_per_token(s: ModelSpec, seq_len: int, checkpointing: bool | str, capacity_factor: float) -> float:
+    """FLOPs the GPU really runs: MoE experts run on k·cf capacity slots per token, and checkpointing
+    recomputes the layers' forward (a third of their training FLOPs) by `recompute_fraction`."""
     flops = model_flops_per_token(s, seq_len)
     if s.is_moe and capacity_factor > 1.0:
         pad = (capacity_factor - 1.0) * s.num_experts_per_tok * 6.0 * expert_params(s)
         flops += pad * s.num_moe_layers
-    if checkpointing:
+    fraction = recompute_fraction(s, checkpointing)
+    if fraction:
         layers = flops - 6.0 * s.vocab_size * s.hidden_size
-        flops += layers / 3.0
+        flops += fraction * layers / 3.0
     return flops
 
 
@@ -120,7 +142,7 @@ def data_parallel_comm(setup: TrainSetup, gpu: GPU, grad_accum: int, fwd_micro: 
     if setup.zero_stage == 2:
         exposed = grad_accum * max(0.0, one - bwd_micro) + last_bucket + one
         return exposed, grad_accum * one + one
-    gathers_bwd = 2 if setup.gradient_checkpointing else 1  # backward (and recompute) gathers
+    gathers_bwd = 1 + recompute_fraction(setup.spec, setup.checkpointing)  # backward (and recompute) gathers
     per_micro = max(0.0, one - fwd_micro) + max(0.0, (gathers_bwd + 1) * one - bwd_micro)
     return grad_accum * per_micro + last_bucket, grad_accum * (gathers_bwd + 2) * one
 
@@ -132,7 +154,7 @@ def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float
     b = setup.bytes_per_param
     tokens_step_gpu = setup.tokens_per_micro_batch * grad_accum
     model_fpt = model_flops_per_token(s, setup.seq_len)
-    hw_fpt = hardware_flops_per_token(s, setup.seq_len, setup.gradient_checkpointing, setup.capacity_factor)
+    hw_fpt = hardware_flops_per_token(s, setup.seq_len, setup.checkpointing, setup.capacity_factor)
     util = mfu if mfu is not None else figures(gpu.name).hfu
     if setup.offload_params:
         util *= PARAM_OFFLOAD_EFFICIENCY
@@ -146,7 +168,7 @@ def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float
     if s.is_moe and setup.ep_size > 1:
         slots = setup.tokens_per_micro_batch * s.num_experts_per_tok * setup.capacity_factor
         per_layer = 4 * slots * s.hidden_size * b * (setup.ep_size - 1) / setup.ep_size  # 2 fwd + 2 bwd
-        passes = 1.5 if setup.gradient_checkpointing else 1.0
+        passes = 1.0 + 0.5 * recompute_fraction(s, setup.checkpointing)
         # DeepSpeed builds expert-parallel groups from consecutive ranks: within a node while they fit
         intra_node = setup.ep_size <= setup.gpus_per_node
         gbps = gpu.link_gbps * NCCL_BUS_EFFICIENCY if intra_node else collective_gbps(gpu, setup)

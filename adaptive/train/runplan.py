@@ -279,12 +279,13 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
     accum = _merge_pin("grad_accum", par.grad_accum, pins.get("grad_accum"), source)
     seq = config.data.seq_len or (CPU_SEQ_LEN if cpu else GPU_SEQ_LEN)
     checkpointing, ep_size = config.checkpointing.gradient_checkpointing, par.ep_size
+    policy = config.checkpointing.checkpoint_policy  # off | full | selective | mlp | every:N (planner.py)
     global_tokens = None
     if cpu:
         micro = micro or CPU_MICRO_BATCH
         accum = accum or CPU_GRAD_ACCUM
         offload = offload or "none"
-        checkpointing = bool(checkpointing)
+        checkpointing = bool(checkpointing) if policy is None else checkpointing
         ep_size = ep_size or 1
         global_tokens = micro * accum * seq * world.size
     gpu = config.hardware.gpu
@@ -295,7 +296,7 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
         model=preset, arch=arch, gpu=device.gpu.name if device.gpu else (gpu or NOMINAL_GPU),
         gpus=world.per_node, nodes=world.nodes, seq_len=seq, global_batch_tokens=global_tokens,
         tokens=tokens, zero=zero, offload=offload, micro_batch=micro, grad_accum=accum,
-        checkpointing=checkpointing, ep_size=ep_size,
+        checkpointing=checkpointing, ep_size=ep_size, checkpoint_policy=policy,
     )
     plan = fit(request, suggest=not cpu)
     if not plan.fits and not cpu:
@@ -387,6 +388,7 @@ def replan_for_knobs(plan: Plan, knobs: Knobs) -> Plan:
     request = replace(plan.request, seq_len=knobs.seq_len, min_seq_len=None, zero_stage=s.zero_stage, offload=offload,
                       micro_batch_size=knobs.micro_batch_size, grad_accum=knobs.gradient_accumulation_steps,
                       gradient_checkpointing=knobs.gradient_checkpointing, ep_size=s.ep_size,
+                      checkpointing="full" if knobs.gradient_checkpointing else s.checkpoint_policy or "off",
                       global_batch_tokens=knobs.tokens_per_step * plan.request.world_size)
     try:
         return fit(request, suggest=False)
@@ -400,6 +402,8 @@ def with_knobs(plan_json: dict[str, Any], knobs: Knobs) -> dict[str, Any]:
     out = dict(plan_json)
     out.update(micro_batch_size=knobs.micro_batch_size, gradient_accumulation_steps=knobs.gradient_accumulation_steps,
                gradient_checkpointing=knobs.gradient_checkpointing, seq_len=knobs.seq_len)
+    if knobs.gradient_checkpointing:  # the OOM ladder's full checkpointing replaces a selective policy
+        out["checkpointing"] = "full"
     return out
 
 

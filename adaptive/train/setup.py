@@ -140,6 +140,10 @@ def build_model(run: RunPlan, tokenizer: Any, seed: int) -> Any:
         reinit_local_experts(model, seed)
     if knobs.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif run.plan.shown.setup.checkpoint_policy:  # selective checkpointing the planner chose (mlp, every:N)
+        from adaptive.models.checkpointing import apply_checkpointing
+
+        apply_checkpointing(model, run.plan.shown.setup.checkpoint_policy)
     return model
 
 

@@ -29,21 +29,24 @@ def check(record_error, request, model_arg, cell, **kw):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [False, True, "every:2", "mlp"])  # off, full, selective policies
 @pytest.mark.parametrize("micro_batch", [2])
-def test_debug_preset_predictions_match_measurement(record_error, arch, checkpointing, micro_batch):
-    request = make_request(model="debug", arch=arch, gpu="a100-80gb", seq_len=512)
-    check(record_error, request, "debug", f"debug {arch} ckpt={checkpointing} mb={micro_batch}",
-          zero_stage=2, micro_batch=micro_batch, checkpointing=checkpointing)
+@pytest.mark.parametrize("kernels", ["lean", "plain"])
+def test_debug_preset_predictions_match_measurement(record_error, arch, checkpointing, micro_batch, kernels):
+    request = make_request(model="debug", arch=arch, gpu="a100-80gb", seq_len=512, kernels=kernels)
+    report = check(record_error, request, "debug", f"debug {arch} {kernels} ckpt={checkpointing} mb={micro_batch}",
+                   zero_stage=2, micro_batch=micro_batch, checkpointing=checkpointing)
+    assert f"with {kernels} kernels" in report.measurement.method
 
 
 @pytest.mark.parametrize("arch", ["moe", "hybrid"])
-def test_moe_backward_working_set_where_it_sets_the_peak(record_error, arch):
-    # micro-batch 4: since issue 10 the ZeRO-2 step counts DeepSpeed's 16-bit flatten copies (measured),
-    # which at micro-batch 2 outweigh this cell's backward
-    request = make_request(model="debug_200m", arch=arch, gpu="a100-80gb", seq_len=2048)
-    report = check(record_error, request, "debug_200m", f"debug_200m {arch} seq 2048 mb 4", zero_stage=2,
-                   micro_batch=4)
+# micro-batch 4 for plain kernels: since issue 10 the ZeRO-2 step counts DeepSpeed's 16-bit flatten copies
+# (measured), which at micro-batch 2 outweigh this cell's backward; lean kernels save less: a bigger batch
+@pytest.mark.parametrize("kernels,micro_batch", [("plain", 4), ("lean", 8)])
+def test_moe_backward_working_set_where_it_sets_the_peak(record_error, arch, kernels, micro_batch):
+    request = make_request(model="debug_200m", arch=arch, gpu="a100-80gb", seq_len=2048, kernels=kernels)
+    report = check(record_error, request, "debug_200m", f"debug_200m {arch} {kernels} seq 2048 mb {micro_batch}",
+                   zero_stage=2, micro_batch=micro_batch)
     backward = next(p for p in report.parts if p.name.startswith("backward"))
     step = next(p for p in report.parts if p.name.startswith("optimizer"))
     assert backward.measured_bytes > step.measured_bytes  # the cell really is backward-bound

@@ -14,7 +14,7 @@ import pytest
 
 from adaptive.plan.emit import ds_config
 from adaptive.plan.gpus import get_gpu
-from adaptive.plan.hf_config import spec_from_hf_config
+from adaptive.plan.hf_config import default_kernels, spec_from_hf_config
 from adaptive.plan.memory import TrainSetup, estimate_memory
 from tests.conftest import REPO_ROOT, subprocess_env
 
@@ -27,7 +27,9 @@ def run_engines(tmp_path_factory, stages, seq, grad_accum):
     path = tmp_path_factory.mktemp("cfg") / "config.json"
     path.write_text(json.dumps(CONFIG))
     spec = spec_from_hf_config(path)
-    setups = {stage: TrainSetup(spec, seq, 1, stage, False, False, False, gradient_accumulation_steps=grad_accum)
+    # the worker trains transformers' LlamaForCausalLM: its own (plain) ops
+    setups = {stage: TrainSetup(spec, seq, 1, stage, False, False, False, gradient_accumulation_steps=grad_accum,
+                                kernels=default_kernels(spec))
               for stage in stages}
     configs = {stage: ds_config(s, grad_accum, get_gpu("a100")) for stage, s in setups.items()}
     out = subprocess.run([sys.executable, str(REPO_ROOT / "tests/plan/_deepspeed_memory_worker.py"),

@@ -20,8 +20,10 @@ def test_pinning_zero3_for_moe_is_refused_with_the_reason():
         fit(make_request(model="b1", arch="moe", gpu="a100-80gb", zero=3))
 
 
+# b1 mod on a T4 (was debug_200m mod): with the lean kernels debug_200m's ZeRO-0 peak at micro-batch 1 is the
+# optimizer step, which no activation remedy lowers, so its ladder is the naive step alone
 @pytest.mark.parametrize("model,arch,gpu", [("b7", "dense", "a100-40gb"), ("b1", "moe", "rtx4090"),
-                                            ("b7", "hybrid", "h100"), ("debug_200m", "mod", "t4")])
+                                            ("b7", "hybrid", "h100"), ("b1", "mod", "t4")])
 def test_ladder_peaks_decrease_step_by_step(model, arch, gpu):
     plan = fit(make_request(model=model, arch=arch, gpu=gpu), suggest=False)
     peaks = [s.peak_gpu_bytes for s in plan.ladder]

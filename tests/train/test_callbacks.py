@@ -93,7 +93,7 @@ def test_every_architecture_trains_on_pieces_of_a_block(arch):
                             {"seq_len": 16, "gradient_accumulation_steps": 8}))
     out = model(**pieces)
     out.loss.backward()
-    assert torch.isfinite(out.loss) and out.logits.shape == (8, 16, 128)
+    assert torch.isfinite(out.loss) and out.logits is None  # training: the lean loss builds no logits
     stats = out.router_stats
     if arch in ("mod", "hybrid"):
         assert stats.mod_skip_rate is not None and torch.isfinite(stats.mod_skip_rate).all()

@@ -1,0 +1,49 @@
+"""Activation checkpointing policies on our model, as torchtitan offers them.
+
+    off       nothing recomputed
+    full      every decoder block keeps only its input and runs again in backward
+    every:N   blocks 0, N, 2N, ... do so; the others keep their activations (transformers' every_n_layers)
+    mlp       every block keeps its attention half's activations and recomputes its MLP half (post-attention
+              norm + SwiGLU or MoE) from that half's input: per token, the attention half's bytes plus 2h
+
+The planner's byte counts of each policy are in adaptive/plan/activations.py (`parse_checkpoint_policy`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from adaptive.errors import AdaptiveError
+from adaptive.plan.activations import parse_checkpoint_policy
+
+
+def apply_checkpointing(model: nn.Module, policy: str) -> None:
+    """Set `policy` on an AdaptiveForCausalLM (or AdaptiveModel), replacing whatever was set before."""
+    try:
+        kind, n = parse_checkpoint_policy(policy)
+    except ValueError as e:
+        raise AdaptiveError(str(e)) from None
+    base = getattr(model, "model", model)
+    if base.gradient_checkpointing:
+        model.activation_checkpointing_disable()
+    for layer in base.layers:
+        layer.checkpoint_mlp = kind == "mlp"
+    if kind in ("full", "every"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                              every_n_layers=n)
+
+
+def checkpointing_policy(model: nn.Module) -> str:
+    """The policy in force, in `apply_checkpointing`'s words."""
+    base = getattr(model, "model", model)
+    if any(getattr(layer, "checkpoint_mlp", False) for layer in base.layers):
+        return "mlp"
+    flags = [bool(layer.gradient_checkpointing) for layer in base.layers]
+    if not any(flags):
+        return "off"
+    if all(flags):
+        return "full"
+    return f"every:{flags.index(True, 1) if True in flags[1:] else len(flags)}"
+
+
+__all__ = ["apply_checkpointing", "checkpointing_policy"]
