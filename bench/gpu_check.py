@@ -70,7 +70,7 @@ def host_available_bytes() -> int | None:
 
 def make_optimizer(model, arch: str, offload: str, dry_run: bool, cfg: dict):
     """(optimizer, its name). Under optimizer offload DeepSpeedCPUAdam, whose C++ extension DeepSpeed
-    JIT-builds on first use (ninja and a C++ compiler; ~1-2 min); if that build fails, torch AdamW on
+    JIT-builds on first use (ninja and a C++ compiler); if that build fails, torch AdamW on
     the CPU with DeepSpeed's guard against client optimizers lifted (slower steps, same memory)."""
     import torch
 

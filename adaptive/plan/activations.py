@@ -88,7 +88,8 @@ def moe_layer_bytes(s: ModelSpec, tokens: int, capacity_factor: float, kernels: 
     bool mask (E); routing indices, weights and masks (31k bytes for top-k); the combine's gathered
     expert outputs (2kh). Per capacity slot (E·C of them): the dispatched input (2h), the expert's
     SwiGLU and the slot's source index (8). The experts run Mixtral's grouped layout (3D weights, one
-    gate-up matmul) with plain ops whatever `kernels` says: their SwiGLU saves `swiglu_bytes(f, "plain")`. Per layer: the fp32 copy of the router weight (4Eh).
+    gate-up matmul) with plain ops whatever `kernels` says: their SwiGLU saves `swiglu_bytes(f, "plain")`.
+    Per layer: the fp32 copy of the router weight (4Eh).
     A Qwen2-MoE shared expert adds its SwiGLU over every token (8 bytes per unit of its width; measured
     slope 8.00 on transformers' class; its sigmoid gate's few bytes are within the router terms' error).
     """

@@ -73,7 +73,7 @@ def parse_records(records: list[dict], run_dir: str) -> RunMeasurement:
 
 
 def _median(values: list[float]) -> float:
-    """The median (statistics.median costs ~40 ms to import, a fifth of fit's budget)."""
+    """The median (not statistics.median: importing it would take a large share of fit's time budget)."""
     v = sorted(values)
     mid = len(v) // 2
     return float(v[mid]) if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
