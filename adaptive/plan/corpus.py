@@ -102,7 +102,8 @@ def request_for(entry: dict) -> FitRequest:
         micro_batch_size=micro, grad_accum=accum,
         gradient_checkpointing=k.get("checkpointing"), ep_size=k.get("ep_size"),
         capacity_factor=k.get("capacity_factor", 1.0), mfu=k.get("hfu"),
-        optimizer=optimizer or "auto", attention=k.get("attention", "sdpa"), ds_config=ds)
+        optimizer=optimizer or "auto", attention=k.get("attention", "sdpa"), ds_config=ds,
+        kernels=k.get("kernels", "plain"))  # published runs ran their own (transformers-style) ops, not ours
 
 
 def predict(entry: dict) -> Prediction:
