@@ -371,11 +371,14 @@ def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing:
             f"{f', MoD capacity {spec.mod_capacity:g}' if spec.is_mod else ''}: two training steps "
             f"(forward, backward, fused AdamW on fp32 master weights) in DeepSpeed ZeRO-{zero_stage}'s one-GPU "
             f"state layout; activations from saved_tensors_hooks, bytes from a storage-lifetime counter")
-    if zero_stage == 0 and not full_depth and total > d2:
-        # ZeRO-0's backward peak is activations still held plus 16-bit gradients already accumulated, a
-        # maximum that is not linear in depth: extrapolated b7 read 13.05 GiB, all 32 layers 13.50 GiB
+    lean_ours = kernels == "lean" and hf_config is None
+    if (zero_stage == 0 or lean_ours) and not full_depth and total > d2:
+        # The backward peak is a maximum of moments that grow differently with depth, not linear in it:
+        # ZeRO-0's activations still held plus 16-bit gradients already accumulated (extrapolated b7 read
+        # 13.05 GiB, all 32 layers 13.50 GiB); with lean kernels also the chunked loss's working set at the
+        # start of backward (debug_200m dense, ZeRO-2: extrapolated from 2 and 4 layers -13.7%)
         full_depth = True
-        what += "; ZeRO-0's backward peak does not extrapolate with depth"
+        what += f"; {'ZeRO-0' if zero_stage == 0 else 'the lean kernels'}' backward peak does not extrapolate with depth"
     if full_depth or total <= d2:
         phases = run_phases(spec, seq_len, micro_batch, checkpointing, **kw)
         return Measurement(phases, f"{what}; all {total} layers built", (total,), total)

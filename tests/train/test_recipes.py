@@ -238,10 +238,10 @@ def test_debug_moe_trains_on_two_processes_with_expert_parallelism(tmp_path):
     from safetensors import safe_open
 
     with safe_open(str(out / "hf" / "model.safetensors"), "pt") as f:
-        if saved["model_type"] == "mixtral":  # the portable export: experts stacked [E, 2I, H]
-            gate_up = f.get_tensor("model.layers.0.mlp.experts.gate_up_proj")
-            experts = {str(i) for i in range(gate_up.shape[0])}
-            rank0, rank1 = gate_up[0], gate_up[4]
+        if saved["model_type"] == "mixtral":  # the portable export, saved by transformers in Mixtral's checkpoint layout
+            keys = [k for k in f.keys() if "layers.0.block_sparse_moe.experts." in k]
+            experts = {k.split("experts.")[1].split(".")[0] for k in keys}
+            rank0, rank1 = (f.get_tensor(f"model.layers.0.block_sparse_moe.experts.{i}.w3.weight") for i in (0, 4))
         else:
             assert (saved["moe_implementation"], saved["ep_size"]) == ("native", 1)
             keys = [k for k in f.keys() if "layers.0." in k and "experts" in k]
