@@ -45,9 +45,31 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     ("deepspeed.utils.groups", "_get_expert_parallel_rank", "group_name"),
 )
 
+# The classes, besides tensors and plain containers, that a DeepSpeed + accelerate checkpoint pickles
+# (found by torch.serialization.get_unsafe_globals_in_checkpoint over ZeRO 0-3, MoE and fp16 checkpoints).
+# Resume unpickles with torch's weights-only unpickler and allows these alone (train/checkpoint.py).
+CHECKPOINT_CLASSES: tuple[tuple[str, str], ...] = (
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+)
+
 # MOELayer's forward timers (milliseconds, set when wall_clock_breakdown is on)
 A2A_TIMERS = ("time_falltoall", "time_salltoall")
 MOE_TIMER = "time_moe"
+
+
+def checkpoint_classes() -> list[Any]:
+    """What a resume may unpickle besides tensors: DeepSpeed's CHECKPOINT_CLASSES and the numpy RNG state
+    accelerate saves."""
+    import importlib
+
+    import numpy as np
+
+    numpy_rng = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+                 getattr(getattr(np, "_core", None) or np.core, "multiarray")._reconstruct]
+    return [getattr(importlib.import_module(m), name) for m, name in CHECKPOINT_CLASSES] + numpy_rng
 
 
 # --- the engine ---------------------------------------------------------------------------------
@@ -133,6 +155,7 @@ def moe_timer_seconds(layers: list[Any]) -> tuple[float, float]:
     return a2a, sum(getattr(layer, MOE_TIMER) for layer in layers) / 1000.0
 
 
-__all__ = ["A2A_TIMERS", "DEEPSPEED_VERSION_READ", "INTERNALS", "MOE_TIMER", "discard_gradients", "expert_parallel_rank",
+__all__ = ["A2A_TIMERS", "CHECKPOINT_CLASSES", "DEEPSPEED_VERSION_READ", "checkpoint_classes", "INTERNALS", "MOE_TIMER",
+           "discard_gradients", "expert_parallel_rank",
            "moe_layers_with_timers", "moe_param_groups", "moe_timer_seconds", "reported_grad_norm",
            "reports_grad_norm", "set_batch_sizes", "start_moe_timers", "stop_moe_timers"]

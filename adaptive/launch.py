@@ -26,11 +26,11 @@ is. Imports no torch.
 from __future__ import annotations
 
 import ipaddress
+import logging
+import os
 import re
 import shlex
-import shutil
-import subprocess
-import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,8 +52,7 @@ class LaunchRequest:
     main_process_port: int = 29500
     machine_rank: int = 0
     recipe_args: tuple[str, ...] = ()
-    dry_run: bool = False  # a dry run writes into an existing run folder only with `overwrite`
-    overwrite: bool = False
+    dry_run: bool = False  # a dry run writes into an existing run folder only with --overwrite
 
 
 @dataclass(frozen=True)
@@ -169,11 +168,17 @@ def plan_launch(req: LaunchRequest) -> Launch:
         hint = f"; would fit: {plan.suggestions[0]}" if plan.suggestions else ""
         raise AdaptiveError(f"{preset} {arch} does not fit {request.world_size} x {request.gpu.name}{hint}")
     run_dir = Path(config.output.output_dir or f"runs/{preset}_{arch}").resolve()
+    if not req.dry_run:  # the recipe would refuse too, after launch had written over the run's configs
+        from adaptive.train.run_folder import check_fresh_start
+
+        check_fresh_start(run_dir, config.output.resume, config.output.overwrite)
+        if config.output.resume:
+            _require_a_checkpoint(config.output.resume, run_dir)
     files = {"ds_config": run_dir / "ds_config.json", "accelerate_config": run_dir / "accelerate_config.yaml",
              "plan": run_dir / "plan.json"}
     if hosts is not None:  # checked before anything is written
         _shell_safe([str(run_dir), str(recipe.resolve()), *to_argv(config, TRAIN), *req.recipe_args])
-    keep = req.dry_run and not req.overwrite and any(path.exists() for path in files.values())
+    keep = req.dry_run and not config.output.overwrite and any(path.exists() for path in files.values())
     if not keep:
         files = write_plan_files(plan, run_dir)
     main_ip = req.main_process_ip or (hosts[0][0] if hosts else None)
@@ -228,15 +233,85 @@ def plan_launch(req: LaunchRequest) -> Launch:
                   commands=commands, this_node=this_node, deepspeed_command=deepspeed_command, notes=notes)
 
 
+def _require_a_checkpoint(resume: str, run_dir: Path) -> None:
+    """A complete checkpoint to resume from (sizes checked; the recipe verifies its digests)."""
+    from adaptive.train.checkpoint import CHECKPOINTS, checkpoint_step, complete_checkpoints, is_complete
+
+    target = run_dir if resume == "auto" else Path(resume).expanduser()
+    if checkpoint_step(target) is not None and is_complete(target):
+        return
+    root = target / CHECKPOINTS if (target / CHECKPOINTS).is_dir() else target
+    if not complete_checkpoints(root):
+        raise AdaptiveError(f"--resume: {target} holds no complete checkpoint, so nothing was written; "
+                            "launch a fresh run without --resume")
+
+
 def run_launch(launch: Launch) -> int:
-    """Run this node's command (accelerate launch via this Python) and return its exit code."""
+    """Run this node's command through accelerate's launcher, in this process, and return its exit code.
+    A recipe that stops on bad input has already said why in one line (and left it in ADAPTIVE_ERROR_FILE):
+    that is exit code 2, without the launcher's traceback on top."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    from adaptive.config.commandline import ERROR_FILE_ENV
+
     command = launch.this_node
     if MAIN_NODE_PLACEHOLDER in command:
         raise AdaptiveError("the main node's address is unknown: pass --main-process-ip (or --dry-run)")
-    # the printed command as is when `accelerate` is on PATH, else the same launcher through this Python
-    runnable = command if shutil.which("accelerate") else [sys.executable, "-m", "accelerate.commands.launch",
-                                                             *command[2:]]
-    return subprocess.run(runnable, check=False).returncode
+    args = launch_command_parser().parse_args(command[2:])  # the printed command, minus `accelerate launch`
+    fd, error_file = tempfile.mkstemp(prefix="adaptive-error-", suffix=".txt")
+    os.close(fd)
+    previous = os.environ.get(ERROR_FILE_ENV)
+    os.environ[ERROR_FILE_ENV] = error_file
+    try:
+        with _launcher_logs_held() as held:
+            try:
+                launch_command(args)
+            except Exception:
+                if Path(error_file).read_text(encoding="utf-8").strip():
+                    return 2
+                held.show()
+                raise
+        return 0
+    finally:
+        Path(error_file).unlink(missing_ok=True)
+        if previous is None:
+            os.environ.pop(ERROR_FILE_ENV, None)
+        else:
+            os.environ[ERROR_FILE_ENV] = previous
+
+
+class _launcher_logs_held(logging.Handler):
+    """Holds the log records of torch's launcher and elastic agent (their failure report) until the run ends;
+    they are shown only when the recipe did not say why it failed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.saved: dict[logging.Logger, tuple[list[logging.Handler], bool]] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> _launcher_logs_held:
+        import torch.distributed.run  # noqa: F401  (creates the launcher's and the agent's loggers)
+
+        names = [n for n in logging.Logger.manager.loggerDict if n == "torch.distributed" or
+                 n.startswith("torch.distributed.")]
+        for logger in map(logging.getLogger, names):
+            self.saved[logger] = logger.handlers[:], logger.propagate
+            logger.handlers, logger.propagate = [self], False
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for logger, (handlers, propagate) in self.saved.items():
+            logger.handlers, logger.propagate = handlers, propagate
+
+    def show(self) -> None:
+        """Show the held records, through the handlers their loggers had."""
+        self.__exit__()
+        for record in self.records:
+            logging.getLogger(record.name).handle(record)
+        self.records.clear()
 
 
 def _detected_gpu() -> str:

@@ -25,8 +25,6 @@ def launch(
     machine_rank: Annotated[int, typer.Option(help="This node's rank (several nodes, no hostfile).")] = 0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Plan, write the configs (not over existing ones), print; "
                                                     "do not run.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="With --dry-run: write the configs over a run "
-                                                                "folder's existing ones.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> int:
     """Plan a recipe's run, write ds_config.json, accelerate_config.yaml and plan.json, print the exact
@@ -36,7 +34,7 @@ def launch(
     request = LaunchRequest(
         recipe=str(recipe), config=config, hostfile=str(hostfile) if hostfile else None,
         main_process_ip=main_process_ip, main_process_port=main_process_port, machine_rank=machine_rank,
-        recipe_args=tuple(ctx.args), dry_run=dry_run, overwrite=overwrite,
+        recipe_args=tuple(ctx.args), dry_run=dry_run,
     )
     planned = plan_launch(request)
     if json_output:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import typing
 from enum import Enum
@@ -111,11 +112,19 @@ def run_command(app: typer.Typer, argv: list[str] | None, prog_name: str) -> int
     return rv if isinstance(rv, int) else 0
 
 
+ERROR_FILE_ENV = "ADAPTIVE_ERROR_FILE"  # set by `adaptive launch`: where a recipe under the launcher leaves its error
+
+
 def fail(message: str) -> int:
-    sys.stderr.write(f"error: {message}\n")
+    """One line on stderr, exit code 2. Under a launcher every rank meets the same bad input: the first
+    rank says it, and leaves it for `adaptive launch` to report in place of the launcher's traceback."""
+    line = f"error: {message}\n"
+    if os.environ.get("RANK", "0") == "0":
+        sys.stderr.write(line)
+        if os.environ.get(ERROR_FILE_ENV):
+            with open(os.environ[ERROR_FILE_ENV], "a", encoding="utf-8") as f:
+                f.write(line)
     return 2
-
-
 
 
 def parse(command: str, argv: list[str]) -> RunConfig:
@@ -124,4 +133,4 @@ def parse(command: str, argv: list[str]) -> RunConfig:
     app.command()(with_run_options(command)(lambda config: config))
     return app(args=bare_values(argv), prog_name=command, standalone_mode=False)
 
-__all__ = ["fail", "parse", "run_command", "with_run_options"]
+__all__ = ["ERROR_FILE_ENV", "fail", "parse", "run_command", "with_run_options"]

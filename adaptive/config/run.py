@@ -193,7 +193,12 @@ class OutputOptions:
         help="Run folder: configs, metrics.jsonl, checkpoints/, hf/ (default runs/PRESET_ARCH).")
     resume: str | None = option(
         None, "--resume", commands=RUN, bare="auto",
-        help="Continue from the newest complete checkpoint of --output-dir ('auto'), or of PATH.")
+        help="Continue from the newest complete checkpoint of --output-dir ('auto'), or of PATH; refused when "
+             "there is none.")
+    overwrite: bool = option(
+        False, "--overwrite", commands=RUN,
+        help="Start a fresh run in an --output-dir that holds one, deleting its metrics, events, checkpoints and "
+             "exports (without it that is refused). launch --dry-run: write the configs over the folder's.")
     log_every: int = option(10, "--log-every", commands=RUN, minimum=1,
                             help="Log line and metrics record every N steps.")
     eval_every: int = option(0, "--eval-every", commands=RUN, minimum=0,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -111,9 +110,8 @@ def ensure_distributed(device: torch.device | None = None) -> None:
     )
     if not launched:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        # one process rendezvouses through a file: no TCP port to pick, none to lose to another process
-        store = tempfile.NamedTemporaryFile(prefix="adaptive-dist-", delete=False).name
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+        # one process needs no rendezvous: an in-memory store (no TCP port to lose, no file left behind)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # wraps an existing group
 
 

@@ -34,6 +34,7 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
+from adaptive.durable import atomic_write_text
 from adaptive.orchestrator.contract import Control, TrainerState
 
 logger = logging.getLogger(__name__)
@@ -111,9 +112,7 @@ class EventLog:
         if resumed_from is not None:
             kept.append({"kind": "resume", "step": step, "time": time.time(), "checkpoint": str(resumed_from),
                          "dropped": len(records) - len(kept)})
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-        tmp.replace(self.path)
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def counts(self) -> dict[str, dict[str, int]]:
         return {p: dict(c) for p, c in self._counts.items()}

@@ -9,16 +9,21 @@ Layout under `<output-dir>/checkpoints/`:
         scheduler.bin               LR schedule (accelerate)
         random_states_<rank>.pkl    RNG states per process (accelerate)
         trainer_state.json          step, tokens, each rank's data position, knobs in force, LR scale
-        COMPLETE.json               written last: every file above with its size
+        COMPLETE.json               written last: every file above with its size and SHA-256
     latest                          the name of the newest complete checkpoint (text)
     .tmp-step_00000050/             a checkpoint being written (or left by a crash): never read
 
 Atomicity: every rank writes into `.tmp-<name>`; each node's first process fsyncs the files; the
-main process writes COMPLETE.json (fsynced), renames the folder to `<name>` (atomic on POSIX),
-fsyncs the parent and replaces `latest` through write-temp + fsync + os.replace. A crash at any
-point leaves either the previous checkpoint as `latest` or a `.tmp-` folder that resume ignores.
-Resume verifies COMPLETE.json (files present, sizes equal) and falls back to the newest older
-checkpoint that verifies. Checkpoints assume a filesystem all nodes share (as DeepSpeed's do).
+main process writes COMPLETE.json (fsynced), renames the folder to `<name>` (atomic on POSIX; a step
+saved again is swapped in before the old one is deleted, `adaptive.durable.replace_dir`), fsyncs the
+parent and replaces `latest` through write-temp + fsync + os.replace. A crash at any point leaves
+either the previous checkpoint as `latest` or a `.tmp-` folder that resume ignores. Checkpoints
+assume a filesystem all nodes share (as DeepSpeed's do).
+
+Resume trusts nothing it reads: `latest` must name a step folder of this run; the checkpoint's files
+must match COMPLETE.json's sizes and digests (else the next older one is tried, with a warning); and
+every pickle is read by torch's weights-only unpickler, which builds tensors, plain containers and
+the few DeepSpeed classes of `adaptive.engine.CHECKPOINT_CLASSES`, and runs nothing else.
 
 The HF export (`export_hf`) writes safetensors + config + tokenizer that
 `AutoModelForCausalLM.from_pretrained` loads without DeepSpeed: ZeRO-3 weights are consolidated by
@@ -31,16 +36,20 @@ export in another format (`adaptive export RUN_DIR --format ...`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from accelerate.logging import get_logger
 
+from adaptive.durable import atomic_write_text, fsync_tree, replace_dir
 from adaptive.errors import AdaptiveError
 
 logger = get_logger(__name__)
@@ -62,50 +71,59 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Durable writes
+# The manifest: sizes (a cheap completeness check) and SHA-256 digests (verified before a resume)
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _manifest_files(folder: Path) -> dict[str, dict[str, Any]]:
+    files = [p for p in sorted(folder.rglob("*")) if p.is_file()]
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # hashlib releases the GIL
+        digests = list(pool.map(_digest, files))
+    return {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": d} for p, d in zip(files, digests)}
+
+
+def _read_manifest(folder: Path) -> dict[str, Any] | None:
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    """fsync every file and folder under `root`, then `root` itself."""
-    for folder, _, files in os.walk(root):
-        for name in files:
-            _fsync_path(Path(folder) / name)
-        _fsync_path(Path(folder))
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write-temp, fsync, os.replace, fsync the folder: readers see the old or the new file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_path(path.parent)
-
-
-def _file_sizes(folder: Path) -> dict[str, int]:
-    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+        manifest = json.loads((Path(folder) / MANIFEST).read_text(encoding="utf-8"))
+        files = manifest["files"]
+        if not isinstance(files, dict) or not files:
+            return None
+        return {rel: entry if isinstance(entry, dict) else {"size": entry} for rel, entry in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def is_complete(folder: Path) -> bool:
     """COMPLETE.json exists, parses, and every file it lists exists with its recorded size."""
+    files = _read_manifest(folder)
     try:
-        manifest = json.loads((Path(folder) / MANIFEST).read_text(encoding="utf-8"))
-        files = manifest["files"]
-        return bool(files) and all((Path(folder) / rel).is_file() and (Path(folder) / rel).stat().st_size == size
-                                   for rel, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return files is not None and all((Path(folder) / rel).is_file() and
+                                         (Path(folder) / rel).stat().st_size == entry["size"]
+                                         for rel, entry in files.items())
+    except (OSError, KeyError, TypeError):
         return False
+
+
+def verify(folder: Path) -> str | None:
+    """Why `folder` cannot be resumed from (None: every file is there with its size and digest). A file
+    inside must not point outside it: a link is refused."""
+    folder = Path(folder)
+    if not is_complete(folder):
+        return f"incomplete ({MANIFEST} missing, or a file missing or of another size)"
+    for rel, entry in _read_manifest(folder).items():
+        path = folder / rel
+        if path.is_symlink() or ".." in Path(rel).parts:
+            return f"{rel} is a link or leaves the folder"
+        if "sha256" in entry and _digest(path) != entry["sha256"]:
+            return f"{rel} does not match its SHA-256 in {MANIFEST}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,41 +132,49 @@ def is_complete(folder: Path) -> bool:
 
 def save_checkpoint(accelerator: Any, output_dir: Path, step: int, trainer_state: dict[str, Any],
                     keep: int) -> Path:
-    """Save the full training state as `checkpoints/step_<step>`, atomically. All ranks call it."""
+    """Save the full training state as `checkpoints/step_<step>`, atomically. All ranks call it. A write
+    that fails (a full or read-only disk) removes its partial folder and raises one line naming the newest
+    complete checkpoint."""
     root = Path(output_dir) / CHECKPOINTS
     name = checkpoint_name(step)
     tmp, final = root / f".tmp-{name}", root / name
-    if accelerator.is_main_process:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-*"):  # left by a crash; only one save runs at a time
-            shutil.rmtree(stale, ignore_errors=True)
-    accelerator.wait_for_everyone()
     started = time.perf_counter()
-    accelerator.save_state(str(tmp))
-    if accelerator.is_main_process:
-        atomic_write_text(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=2) + "\n")
-    accelerator.wait_for_everyone()
-    if accelerator.is_local_main_process:
-        fsync_tree(tmp)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        manifest = {"step": step, "time": time.time(), "files": _file_sizes(tmp)}
-        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-        if final.exists():  # the same step saved again (after a rollback): replace it
-            trash = root / f".tmp-old-{name}"
-            os.rename(final, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        os.rename(tmp, final)
-        _fsync_path(root)
-        atomic_write_text(root / LATEST, name + "\n")
-        prune_checkpoints(root, keep)
+    try:
+        if accelerator.is_main_process:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".tmp-*"):  # left by a crash; the run folder's lock allows one writer
+                shutil.rmtree(stale, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        if accelerator.is_main_process:
+            atomic_write_text(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=2) + "\n")
+        accelerator.wait_for_everyone()
+        if accelerator.is_local_main_process:
+            fsync_tree(tmp)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            manifest = {"step": step, "time": time.time(), "files": _manifest_files(tmp)}
+            atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+            replace_dir(tmp, final)  # the same step saved again (after a rollback) replaces the old one
+            atomic_write_text(root / LATEST, name + "\n")
+            prune_checkpoints(root, keep)
+    except (OSError, RuntimeError) as err:  # torch.save's writer reports a full disk as a RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        newest = read_latest(root)
+        reason = os_reason(err) if isinstance(err, OSError) else str(err).strip().splitlines()[-1][:200]
+        raise AdaptiveError(f"checkpoint {final} could not be written ({reason}); the newest complete "
+                            f"checkpoint is {newest if newest is not None else 'none'}: fix that and --resume") from None
     accelerator.wait_for_everyone()
     logger.info("checkpoint %s written in %.1f s", final, time.perf_counter() - started)
     return final
 
 
+def os_reason(err: OSError) -> str:
+    return f"{err.strerror or err}: {err.filename}" if err.filename else str(err.strerror or err)
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, newest step first."""
+    """Complete checkpoints under `root` (sizes checked, not digests), newest step first."""
     found = [p for p in Path(root).iterdir() if p.is_dir() and checkpoint_step(p) is not None] \
         if Path(root).is_dir() else []
     return [p for p in sorted(found, key=checkpoint_step, reverse=True) if is_complete(p)]
@@ -165,11 +191,21 @@ def prune_checkpoints(root: Path, keep: int) -> None:
 
 
 def read_latest(root: Path) -> Path | None:
+    """The checkpoint `latest` names, inside `root`. None when it is missing or names anything but a step
+    folder: a `latest` holding `../other_run/...`, or bytes that are not text, is never followed."""
     try:
-        name = (Path(root) / LATEST).read_text(encoding="utf-8").strip()
+        raw = (Path(root) / LATEST).read_bytes()
     except OSError:
         return None
-    return Path(root) / name if name else None
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        name = ""
+    if not _STEP_DIR.match(name):
+        logger.warning("%s does not name a checkpoint of this folder (%r); ignoring it", Path(root) / LATEST,
+                       raw[:40])
+        return None
+    return Path(root) / name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,9 +213,9 @@ def read_latest(root: Path) -> Path | None:
 
 
 def find_checkpoint(resume: str, output_dir: Path) -> Path | None:
-    """The checkpoint `--resume` means: "auto" (or a run folder, or a checkpoints folder) gives the
-    newest complete checkpoint in it, falling back past incomplete ones; a step folder must be
-    complete. None when there is none."""
+    """The checkpoint `--resume` means, verified (sizes and SHA-256 digests). "auto" (or a run folder, or a
+    checkpoints folder) gives the one `latest` names, else the newest that verifies, with a warning for each
+    one passed over; a step folder must verify. None when there is none."""
     if resume == "auto":
         target = Path(output_dir)
     else:
@@ -188,24 +224,101 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path | None:
             raise AdaptiveError(f"--resume {resume!r} does not exist; "
                                 "pass a run folder, its checkpoints/ or a step folder")
     if checkpoint_step(target) is not None:
-        if not is_complete(target):
-            raise AdaptiveError(f"checkpoint {str(target)!r} is incomplete ({MANIFEST} missing or files differ)")
+        reason = verify(target)
+        if reason:
+            raise AdaptiveError(f"checkpoint {str(target)!r} cannot be resumed: {reason}")
         return target
     root = target / CHECKPOINTS if (target / CHECKPOINTS).is_dir() else target
     latest = read_latest(root)
-    if latest is not None and is_complete(latest):
-        return latest
-    candidates = complete_checkpoints(root)
-    if latest is not None:
-        fallback = candidates[0].name if candidates else "none"
-        logger.warning("checkpoint %s named by %s is incomplete; using %s", latest, root / LATEST, fallback)
-    return candidates[0] if candidates else None
+    candidates = [p for p in [latest] if p is not None and p.is_dir()]
+    candidates += [p for p in complete_checkpoints(root) if p not in candidates]
+    for path in candidates:
+        reason = verify(path)
+        if reason is None:
+            return path
+        logger.warning("checkpoint %s cannot be resumed (%s); trying an older one", path, reason)
+    return None
 
 
-def load_checkpoint(accelerator: Any, path: Path) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler and RNG states; return the saved trainer state."""
-    accelerator.load_state(str(path))
-    return json.loads((Path(path) / TRAINER_STATE).read_text(encoding="utf-8"))
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's trainer_state.json, with the keys resume reads (one line when it is not usable)."""
+    file = Path(path) / TRAINER_STATE
+    try:
+        saved = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise AdaptiveError(f"{file} is not readable JSON ({type(err).__name__}); resume from another checkpoint") \
+            from None
+    required = {"step": int, "tokens_seen": int, "skipped_steps": int, "lr_scale": (int, float), "samples_seen": list,
+                "knobs": dict, "max_steps": int, "world_size": int}
+    bad = [k for k, kind in required.items() if not isinstance(saved, dict) or not isinstance(saved.get(k), kind)]
+    if bad:
+        raise AdaptiveError(f"{file} lacks or mistypes {', '.join(bad)}; resume from another checkpoint")
+    return saved
+
+
+def unsafe_pickles(path: Path) -> list[tuple[str, list[str]]]:
+    """(file, classes) for each file of the checkpoint that pickles a class resume does not allow. Read
+    statically: nothing is unpickled."""
+    import torch
+
+    from adaptive.engine import checkpoint_classes
+
+    allowed = {f"{c.__module__}.{c.__qualname__}" for c in checkpoint_classes()}
+    found = []
+    for file in sorted(Path(path).rglob("*")):
+        if file.is_file() and file.suffix in (".pt", ".bin", ".pkl", ".pth"):
+            try:
+                names = torch.serialization.get_unsafe_globals_in_checkpoint(str(file))
+            except Exception as err:  # not a torch zip file: the weights-only loader would refuse it too
+                names = [f"<not a torch file: {type(err).__name__}>"]
+            extra = [n for n in names if n not in allowed]
+            if extra:
+                found.append((str(file.relative_to(path)), extra))
+    return found
+
+
+@contextmanager
+def tensors_only() -> Iterator[None]:
+    """Every torch.load inside runs torch's weights-only unpickler, DeepSpeed's and accelerate's included
+    (they pass weights_only=False): tensors, plain containers and the allowed classes, nothing else."""
+    import torch
+
+    from adaptive.engine import checkpoint_classes
+
+    old = os.environ.get(_FORCE_WEIGHTS_ONLY)
+    os.environ[_FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(checkpoint_classes()):
+            yield
+    finally:
+        if old is None:
+            os.environ.pop(_FORCE_WEIGHTS_ONLY, None)
+        else:
+            os.environ[_FORCE_WEIGHTS_ONLY] = old
+
+
+_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # read by torch.load at each call
+
+
+def load_checkpoint(accelerator: Any, path: Path) -> None:
+    """Restore model, optimizer, scheduler and RNG states, unpickling tensors only. A file that pickles
+    anything else is refused before any is loaded."""
+    import pickle
+
+    unsafe = unsafe_pickles(path)
+    if unsafe:
+        file, names = unsafe[0]
+        raise AdaptiveError(f"checkpoint {path}: {file} pickles {', '.join(names[:3])}, which resume does not "
+                            "unpickle (a checkpoint holds tensors and DeepSpeed's training state only)")
+    try:
+        with tensors_only():
+            accelerator.load_state(str(path))
+    except pickle.UnpicklingError as err:
+        raise AdaptiveError(f"checkpoint {path}: refused by the weights-only unpickler ("
+                            f"{str(err).splitlines()[0][:200]})") from None
+    except RuntimeError as err:  # e.g. shapes that differ: a checkpoint of another model
+        raise AdaptiveError(f"checkpoint {path} does not load into this model: {str(err).splitlines()[0][:200]}") \
+            from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,13 +358,7 @@ def export_hf(accelerator: Any, engine: Any, tokenizer: Any, target: Path, metad
         metadata = {**metadata, "format": chosen.format, "format_reason": chosen.reason}
         (tmp / "adaptive_export.json").write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
         fsync_tree(tmp)
-        if target.exists():
-            old = target.with_name(f".{target.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(target, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.rename(tmp, target)
-        _fsync_path(target.parent)
+        replace_dir(tmp, target)
     accelerator.wait_for_everyone()
     logger.info("HF model exported to %s", target)
     return target
@@ -259,4 +366,5 @@ def export_hf(accelerator: Any, engine: Any, tokenizer: Any, target: Path, metad
 
 __all__ = ["CHECKPOINTS", "LATEST", "MANIFEST", "TRAINER_STATE", "atomic_write_text", "checkpoint_name",
            "checkpoint_step", "complete_checkpoints", "export_hf", "find_checkpoint", "fsync_tree", "is_complete",
-           "load_checkpoint", "prune_checkpoints", "read_latest", "save_checkpoint"]
+           "load_checkpoint", "os_reason", "prune_checkpoints", "read_latest", "read_trainer_state",
+           "save_checkpoint", "tensors_only", "unsafe_pickles", "verify"]

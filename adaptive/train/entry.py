@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from adaptive.config.run import RunConfig
+from adaptive.errors import AdaptiveError
 from adaptive.train.callbacks import Callback, CallbackList, TrainerState
+from adaptive.train.run_folder import RunLock, check_fresh_start, clear_run
 
 
 def run_dir(config: RunConfig, preset: str, arch: str) -> Path:
@@ -21,20 +23,76 @@ def run_dir(config: RunConfig, preset: str, arch: str) -> Path:
 
 def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | None = None,
         plugins: Callable[[], list[Any]] | None = None) -> TrainerState:
-    """Train. `callbacks` always run, first; `plugins()` (the orchestrator) when the run has it on."""
+    """Train. `callbacks` always run, first; `plugins()` (the orchestrator) when the run has it on. The run
+    folder is checked, locked, and (with --overwrite) cleared before anything else is written."""
+    from adaptive.train import setup
+    from adaptive.train.display import configure_logging
+
+    out = config.output
+    output_dir = run_dir(config, preset, arch)
+    if out.resume and out.overwrite:
+        raise AdaptiveError("--resume continues the run in --output-dir and --overwrite deletes it; give one of them")
+    check_fresh_start(output_dir, out.resume, out.overwrite)  # every rank, before anything is written
+    partial = setup.init_distributed()
+    main_process = partial.is_main_process
+    configure_logging(main_process)
+    lock, resume_from = claim_run_folder(partial, output_dir, out.resume, out.overwrite)
+    try:
+        return _train(config, preset, arch, callbacks, plugins, partial, output_dir, resume_from)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def claim_run_folder(partial: Any, output_dir: Path, resume: str | None,
+                     overwrite: bool) -> tuple[RunLock | None, Path | None]:
+    """The main process locks the folder, clears it (--overwrite) and finds the checkpoint to resume (verified);
+    every rank gets the checkpoint, or the same one-line error. A refused --resume changes nothing."""
+    from accelerate.logging import get_logger
+    from accelerate.utils import broadcast_object_list
+
+    from adaptive.train.checkpoint import find_checkpoint, os_reason
+
+    lock, shared = None, [None, None]  # the checkpoint, the error
+    if partial.is_main_process:
+        try:
+            if resume:  # looked up before the lock: a refused --resume creates nothing
+                path = find_checkpoint(resume, output_dir)
+                if path is None:
+                    where = output_dir if resume == "auto" else resume
+                    raise AdaptiveError(f"--resume: {where} holds no checkpoint that verifies, so nothing was changed; "
+                                        "start a fresh run without --resume")
+                shared[0] = str(path)
+            lock = RunLock(output_dir).acquire()
+            if overwrite:
+                cleared = clear_run(output_dir)
+                if cleared:
+                    get_logger(__name__).warning("--overwrite: deleted %s from %s", ", ".join(cleared), output_dir)
+        except AdaptiveError as err:
+            shared[1] = str(err)
+        except OSError as err:
+            shared[1] = f"run folder {output_dir}: {os_reason(err)}"
+    if partial.num_processes > 1:
+        broadcast_object_list(shared)
+    if shared[1]:
+        if lock is not None:
+            lock.release()
+        raise AdaptiveError(shared[1])
+    return lock, Path(shared[0]) if shared[0] else None
+
+
+def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | None,
+           plugins: Callable[[], list[Any]] | None, partial: Any, output_dir: Path,
+           resume_from: Path | None) -> TrainerState:
     from accelerate.logging import get_logger
     from accelerate.utils import set_seed
 
     from adaptive.train import setup
-    from adaptive.train.checkpoint import find_checkpoint
-    from adaptive.train.display import configure_logging
-    from adaptive.train.loop import Loop, LoopSettings, restore, train, write_run_files
+    from adaptive.train.loop import Loop, LoopSettings, restore, set_peak_lr, train, write_run_files
     from adaptive.train.metrics import MetricsWriter
     from adaptive.train.runplan import World, detect_device, launcher_world, plan_run
 
-    partial = setup.init_distributed()
     main_process = partial.is_main_process
-    configure_logging(main_process)
     logger = get_logger(__name__)
     world = World(partial.num_processes, min(launcher_world().per_node, partial.num_processes))
     plan = plan_run(config, preset, arch, world, detect_device(config.hardware.gpu))
@@ -56,9 +114,6 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
     lr_scheduler = setup.build_scheduler(optimizer, warmup, plan.max_steps)
     engine, optimizer, scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
 
-    output_dir = run_dir(config, preset, arch)
-    if main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     state = TrainerState(max_steps=plan.max_steps, knobs=plan.knobs, output_dir=output_dir, plan=plan.plan,
                          orchestrator=plan.orchestrator, accelerator=accelerator, model=engine, optimizer=optimizer,
@@ -70,14 +125,12 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
     metrics = MetricsWriter(output_dir, main_process)
     loop = Loop(run=plan, data=data, callbacks=chain, metrics=metrics, settings=settings, device=accelerator.device,
                 lr_scheduler=lr_scheduler)
-    if out.resume:
-        path = find_checkpoint(out.resume, output_dir)
-        if path is None:
-            logger.warning("--resume: no complete checkpoint under %s; starting from step 0", output_dir)
-        else:
-            restore(state, loop, path)
-            state.resumed_from = path
-            logger.info("resumed from %s at step %d", path, state.step)
+    if resume_from is not None:
+        restore(state, loop, resume_from)
+        state.resumed_from = resume_from
+        if opt.lr is not None:
+            set_peak_lr(state, loop, opt.lr)
+        logger.info("resumed from %s at step %d", resume_from, state.step)
     metrics.truncate_after(state.step if state.resumed_from else None)
     write_run_files(state, loop)
     metrics.write({"kind": "start", "step": state.step, **plan.summary(),

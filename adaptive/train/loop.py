@@ -108,6 +108,8 @@ def train(state: TrainerState, loop: Loop) -> TrainerState:
             metrics, requests = step_once(state, control, loop, samples, meter)
             display.update(state.step, _progress_info(metrics))
             maybe_evaluate(state, control, loop, requests.evaluate)
+            if requests.stop:
+                maybe_log(state, loop, meter, force=True)  # before the checkpoint a resume starts from
             maybe_checkpoint(state, control, loop, requests.checkpoint or requests.stop)
             maybe_export(state, loop, requests.export)
             if requests.rollback:
@@ -120,6 +122,7 @@ def train(state: TrainerState, loop: Loop) -> TrainerState:
             if requests.stop:
                 logger.info("stopping at step %d on request (checkpointed)", state.step)
                 break
+    maybe_log(state, loop, meter, force=True)  # the steps since the last record: a resume starts a new interval
     if state.step >= state.max_steps:
         finish(state, control, loop)
     loop.callbacks.on_train_end(state, control)
@@ -236,8 +239,9 @@ def commit_step(state: TrainerState, samples: SampleIterator) -> None:
 # Named steps around train_step
 
 
-def maybe_log(state: TrainerState, loop: Loop, meter: IntervalMeter) -> dict[str, Any] | None:
-    if not _is_log_step(state.step, loop):
+def maybe_log(state: TrainerState, loop: Loop, meter: IntervalMeter, force: bool = False) -> dict[str, Any] | None:
+    """A train record on log steps; `force`: now, for the steps since the last one (a stop, the end)."""
+    if not (_is_log_step(state.step, loop) or force) or not meter.steps:
         return None
     reduced = meter.reduce(state.accelerator)
     record = train_record(
@@ -302,8 +306,10 @@ def maybe_checkpoint(state: TrainerState, control: Control, loop: Loop, requeste
 def save(state: TrainerState, control: Control, loop: Loop) -> Path:
     from accelerate.utils import gather_object
 
+    require_finite_weights(state, "checkpointed")
     positions = gather_object([state.samples_seen])
     trainer_state = {
+        "model": model_identity(loop.run),
         "step": state.step, "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps,
         "lr_scale": state.lr_scale, "samples_seen": positions, "knobs": state.knobs.as_dict(),
         "max_steps": state.max_steps, "world_size": state.world_size,
@@ -324,9 +330,28 @@ def maybe_export(state: TrainerState, loop: Loop, requested: bool) -> Path | Non
 
 
 def export(state: TrainerState, loop: Loop, target: Path) -> Path:
+    require_finite_weights(state, "exported")
     meta = {"step": state.step, "tokens_seen": state.tokens_seen, "preset": loop.run.preset, "arch": loop.run.arch,
             "knobs": state.knobs.as_dict()}
     return ckpt.export_hf(state.accelerator, state.model, loop.data.tokenizer, target, meta)
+
+
+def model_identity(run: RunPlan) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed into this run's model."""
+    return {"preset": run.preset, "arch": run.arch, "params_total": run.plan.counts.total}
+
+
+def require_finite_weights(state: TrainerState, verb: str) -> None:
+    """Stop, naming the last good checkpoint, when any rank's weights (its ZeRO-3 partition) hold NaN or inf:
+    nothing non-finite is ever checkpointed or exported."""
+    tensors = [getattr(p, "ds_tensor", p) for p in state.model.module.parameters()]
+    local_bad = ~torch.stack([torch.isfinite(t).all() for t in tensors if t.numel()]).all() if tensors else None
+    if not agree_any(state, [False], extra=local_bad)[0]:
+        return
+    last = state.last_checkpoint
+    raise AdaptiveError(f"step {state.step}: the weights hold NaN or inf, so nothing was {verb}; the last good "
+                        f"checkpoint is {last if last is not None else 'none (none was written)'}: resume from it "
+                        "with a lower --lr")
 
 
 def finish(state: TrainerState, control: Control, loop: Loop) -> None:
@@ -431,12 +456,22 @@ def rollback(state: TrainerState, loop: Loop) -> None:
 
 
 def restore(state: TrainerState, loop: Loop, path: Path) -> None:
-    """Load a checkpoint into the engine, optimizer, schedule and RNG, and the trainer state."""
-    saved = ckpt.load_checkpoint(state.accelerator, path)
+    """Load a checkpoint into the engine, optimizer, schedule and RNG, and the trainer state. Everything the
+    checkpoint must share with this run is checked before anything is loaded."""
+    saved = ckpt.read_trainer_state(path)
     if saved["world_size"] != state.world_size:
         raise AdaptiveError(f"checkpoint {path} was written by {saved['world_size']} processes, this run has "
                             f"{state.world_size}; resume with the same number")
-    knobs = Knobs(**saved["knobs"])
+    ours = model_identity(loop.run)
+    if saved.get("model", ours) != ours:
+        theirs = saved["model"]
+        raise AdaptiveError(f"checkpoint {path} is of {theirs.get('preset')} {theirs.get('arch')} "
+                            f"({theirs.get('params_total')} parameters), this run trains {ours['preset']} {ours['arch']} "
+                            f"({ours['params_total']}); resume with its recipe, or pass another --output-dir")
+    try:
+        knobs = Knobs(**saved["knobs"])
+    except TypeError as err:
+        raise AdaptiveError(f"checkpoint {path}: trainer_state.json has unusable knobs ({err})") from None
     # the block length (the run's --seq-len) is fixed: the data position counts blocks of it; the
     # seq_len in force is a runtime knob and comes back with the others below
     fixed = [k for k in knobs.as_dict() if k not in Knobs.RUNTIME and getattr(knobs, k) != getattr(state.knobs, k)]
@@ -446,6 +481,10 @@ def restore(state: TrainerState, loop: Loop, path: Path) -> None:
         raise AdaptiveError(f"checkpoint {path} was trained with other settings ("
                             + ", ".join(f"{k} {getattr(knobs, k)} vs {getattr(state.knobs, k)}" for k in fixed)
                             + f"); resume with the same ones{hint}")
+    if len(saved["samples_seen"]) != state.world_size:
+        raise AdaptiveError(f"checkpoint {path}: trainer_state.json has {len(saved['samples_seen'])} data positions "
+                            f"for {state.world_size} processes")
+    ckpt.load_checkpoint(state.accelerator, path)
     if saved["max_steps"] != state.max_steps:
         logger.warning("the checkpoint's run had max_steps %d, this one %d: the LR schedule follows %d",
                        saved["max_steps"], state.max_steps, state.max_steps)
@@ -457,6 +496,21 @@ def restore(state: TrainerState, loop: Loop, path: Path) -> None:
     apply_knob_changes(state, control, loop)
     _apply_lr_scale(state, loop, force=True)
     loop.callbacks.load_state_dict(saved.get("callbacks") or {})
+
+
+def set_peak_lr(state: TrainerState, loop: Loop, lr: float) -> None:
+    """Make `lr` the schedule's peak from now on: a resumed schedule brings back the checkpoint's, and an
+    --lr given with --resume must not be ignored."""
+    scheduler = loop.lr_scheduler
+    old = scheduler.base_lrs[0]
+    if math.isclose(old, lr, rel_tol=1e-9):
+        return
+    scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # what get_last_lr() reads
+    _apply_lr_scale(state, loop, force=True)
+    logger.warning("--lr %g replaces the checkpoint's peak learning rate %g from step %d on", lr, old, state.step)
 
 
 def write_run_files(state: TrainerState, loop: Loop) -> None:
@@ -558,5 +612,6 @@ class _stop_on_sigterm:
 
 
 __all__ = ["EXPORT_REQUEST", "FINAL_EXPORT", "Loop", "LoopSettings", "STOP_REQUEST", "apply_knob_changes",
-           "evaluate", "maybe_checkpoint", "maybe_evaluate", "restore", "rollback", "save",
+           "evaluate", "maybe_checkpoint", "maybe_evaluate", "model_identity", "require_finite_weights", "restore",
+           "rollback", "save", "set_peak_lr",
            "step_once", "train", "train_step", "write_run_files"]

@@ -15,8 +15,10 @@ metrics.jsonl: one JSON object per line, `kind` says which:
       block_len (the data blocks: --seq-len)},
       ds_config_source, max_steps, tokens_per_step, params_total, params_active,
       model_flops_per_token, orchestrator {requested, enabled, reason}, resumed_from (path or null)
-  kind "train" (every --log-every steps; values cover the steps since the previous record):
+  kind "train" (every --log-every steps, and for the steps left at a stop or the end; values cover
+      the steps since the previous record, so a resume after a stop starts a new interval):
       step                 optimizer steps done
+      interval_steps       how many optimizer steps the record covers
       time                 unix seconds
       tokens_seen          global tokens consumed so far
       loss                 mean training loss (LM + weighted aux losses) over micro-batches and ranks
@@ -52,6 +54,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from adaptive.durable import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -179,6 +183,7 @@ class IntervalMeter:
                 out[name] = [v / micro for v in chunk]  # mean over micro-batches of every rank
         out["seconds"] = seconds
         out["tokens"] = tokens
+        out["steps"] = len(steps)
         return out
 
 
@@ -193,6 +198,7 @@ def train_record(*, step: int, tokens_seen: int, reduced: dict[str, Any], lr: fl
     return {
         "kind": "train",
         "step": step,
+        "interval_steps": reduced["steps"],
         "time": time.time(),
         "tokens_seen": tokens_seen,
         "loss": reduced["loss"],
@@ -261,9 +267,7 @@ class MetricsWriter:
             if record.get("step", 0) > step:
                 break
             kept.append(line)
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
 
 def read_metrics(path: str | Path, kind: str | None = None) -> list[dict[str, Any]]:

@@ -125,22 +125,20 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
 
 
-def test_without_dry_run_the_printed_command_runs_and_its_exit_code_is_returned(tmp_path, monkeypatch):
-    from adaptive import launch as launcher
+def test_without_dry_run_the_printed_command_is_what_accelerates_launcher_runs(tmp_path):
+    """run_launch hands the printed command, minus `accelerate launch`, to accelerate's own parser and launcher
+    (tests/train/test_run_safety.py runs it for real)."""
+    from accelerate.commands.launch import launch_command_parser
 
+    from adaptive import launch as launcher
     from adaptive.config import RunConfig
 
     config = RunConfig().replace(gpu="a100", output_dir=str(tmp_path))
     planned = launcher.plan_launch(launcher.LaunchRequest(recipe=RECIPE, config=config))
-    ran = []
-    monkeypatch.setattr(launcher.subprocess, "run", lambda cmd, check: ran.append(cmd) or
-                        subprocess.CompletedProcess(cmd, 3))
-    monkeypatch.setattr(launcher.shutil, "which", lambda name: None)  # no `accelerate` script on PATH
-    assert launcher.run_launch(planned) == 3
-    assert ran == [[sys.executable, "-m", "accelerate.commands.launch", *planned.this_node[2:]]]
-    monkeypatch.setattr(launcher.shutil, "which", lambda name: "/usr/bin/accelerate")
-    launcher.run_launch(planned)
-    assert ran[-1] == planned.this_node  # exactly what was printed
+    assert planned.this_node[:2] == ["accelerate", "launch"]
+    args = launch_command_parser().parse_args(planned.this_node[2:])
+    assert args.config_file == str(planned.files["accelerate_config"])
+    assert [args.training_script, *args.training_script_args] == planned.this_node[4:]
 
 
 def test_a_multi_node_launch_without_the_main_address_refuses_to_run(tmp_path):

@@ -3,7 +3,8 @@
     accelerate launch --use_deepspeed --num_processes 1 tests/train/_driver.py PRESET ARCH SPEC -- FLAGS
 
 SPEC is JSON: {"kill_after_checkpoint": 10, "record": "DIR", "skip_at": 3, "oom_at": 5, "halve_on_oom": true,
-"rollback_at": 8, "lr_scale_at": [6, 0.5], "touch_at": {"2": "EXPORT"}} (each optional). Steps are 1-based optimizer steps.
+"rollback_at": 8, "lr_scale_at": [6, 0.5], "touch_at": {"2": "EXPORT"}, "sigterm_at": 5, "nan_weights_at": 3}
+(each optional). Steps are 1-based optimizer steps.
 """
 
 from __future__ import annotations
@@ -144,6 +145,29 @@ class TouchAt(Callback):
             (state.output_dir / self.name).touch()
 
 
+class SigtermAt(Callback):
+    """SIGTERM this process after step `step`, as a scheduler does before preemption."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, state, control, *, metrics):
+        if state.step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class NanWeightsAt(Callback):
+    """After the update of step `step`, one weight becomes NaN (what a diverged update leaves)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_optimizer_step(self, state, control):
+        if state.step + 1 == self.step:
+            with torch.no_grad():
+                next(state.model.module.parameters()).view(-1)[0] = float("nan")
+
+
 def callbacks_from(spec: dict) -> list[Callback]:
     out: list[Callback] = []
     if "record" in spec:
@@ -160,6 +184,10 @@ def callbacks_from(spec: dict) -> list[Callback]:
         out.append(LrScaleAt(*spec["lr_scale_at"]))
     for step, name in spec.get("touch_at", {}).items():
         out.append(TouchAt(int(step), name))
+    if "sigterm_at" in spec:
+        out.append(SigtermAt(spec["sigterm_at"]))
+    if "nan_weights_at" in spec:
+        out.append(NanWeightsAt(spec["nan_weights_at"]))
     if "kill_after_checkpoint" in spec:
         out.append(KillAfterCheckpoint(spec["kill_after_checkpoint"]))
     return out
