@@ -30,7 +30,7 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
     from adaptive.train.display import configure_logging
     from adaptive.train.loop import Loop, LoopSettings, restore, train, write_run_files
     from adaptive.train.metrics import MetricsWriter
-    from adaptive.train.runplan import World, detect_device, launcher_world, plan_run
+    from adaptive.train.runplan import World, check_with_deepspeed, detect_device, launcher_world, plan_run
 
     partial = setup.init_distributed()
     main_process = partial.is_main_process
@@ -38,6 +38,7 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
     logger = get_logger(__name__)
     world = World(partial.num_processes, min(launcher_world().per_node, partial.num_processes))
     plan = plan_run(config, preset, arch, world, detect_device(config.hardware.gpu))
+    check_with_deepspeed(plan.ds_config, world.size)  # before the model is built
     accelerator = setup.make_accelerator(plan)
     setup.quiet_libraries(main_process)
     logger.info("plan: %s %s on %d x %s (%s), knobs %s, DeepSpeed config from %s%s, %d steps of %d tokens",
