@@ -139,11 +139,12 @@ def _shell_safe(args: list[str]) -> None:
 
 def plan_launch(req: LaunchRequest) -> Launch:
     """Plan, write the run folder's configs, and build the commands (nothing is run)."""
-    from adaptive.recipe import load_recipe
+    from adaptive.recipe import load_recipe, orchestrator_settings
 
     recipe = Path(req.recipe)
     config = req.config
     preset, arch = load_recipe(recipe).resolve(config)
+    orchestrator_settings(config)  # the recipe would refuse them after the launch; refuse them before
     gpus, nodes = config.hardware.gpus or 1, config.hardware.nodes or 1
     gpu = config.hardware.gpu or _detected_gpu()
     hosts = read_hostfile(req.hostfile) if req.hostfile else None
