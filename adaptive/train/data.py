@@ -45,6 +45,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from adaptive.errors import AdaptiveError
+from adaptive.train.data_rows import check_json_rows
 from adaptive.train.tokenizer import DEFAULT_CORPUS
 
 if TYPE_CHECKING:
@@ -219,6 +220,8 @@ def _load_local(source: DataSource, cfg: DataConfig, streaming: bool) -> dataset
         logger.warning("skipping %d empty file(s) in %s", len(source.data_files) - len(files), source.label)
     if not files:
         return None
+    if source.builder == "json":
+        check_json_rows(files, cfg.text_field)  # file:line for a bad row, before pyarrow's "in row 3"
     kwargs = {"sample_by": cfg.txt_sample_by, "keep_linebreaks": True} if source.builder == "text" else {}
     try:
         return datasets.load_dataset(
