@@ -37,6 +37,7 @@ from typing import Any
 
 from adaptive.config.run import TRAIN, RunConfig, to_argv
 from adaptive.errors import AdaptiveError
+from adaptive.extras import require
 from adaptive.plan import Plan, fit, make_request
 from adaptive.plan.emit import accelerate_config, to_yaml, write_plan_files
 
@@ -231,6 +232,7 @@ def plan_launch(req: LaunchRequest) -> Launch:
 
 def run_launch(launch: Launch) -> int:
     """Run this node's command (accelerate launch via this Python) and return its exit code."""
+    require("adaptive launch")  # accelerate's launcher, here and on every node
     command = launch.this_node
     if MAIN_NODE_PLACEHOLDER in command:
         raise AdaptiveError("the main node's address is unknown: pass --main-process-ip (or --dry-run)")

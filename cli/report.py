@@ -15,6 +15,9 @@ Out = Annotated[Optional[Path], typer.Option("--out", "-o",
 
 def report(run_dir: RunDir, out: Out = None) -> None:
     """Draw a training run and summarise it: curves, expert load per layer, the orchestrator's decisions."""
+    from adaptive.extras import require
+
+    require("adaptive report")
     from rich import box
     from rich.console import Console
     from rich.table import Table

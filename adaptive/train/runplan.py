@@ -31,6 +31,7 @@ from typing import Any
 
 from adaptive.config.run import RunConfig
 from adaptive.errors import AdaptiveError, from_validation
+from adaptive.extras import require
 from adaptive.train.callbacks import Knobs
 from adaptive.plan import GPU, Plan, fit, get_gpu, make_request
 from adaptive.plan.ds_config_input import load as load_ds_file, offload_pin, pins
@@ -80,6 +81,7 @@ def detect_device(gpu_flag: str | None, assume_gpu: bool = False) -> Device:
     named = get_gpu(gpu_flag) if gpu_flag else None
     if named is not None and assume_gpu:
         return Device("cuda", named)
+    require("finding the GPU (no --gpu given)")
     import torch
 
     if not torch.cuda.is_available():
