@@ -154,6 +154,14 @@ def resolve_source(cfg: DataConfig) -> DataSource:
     return DataSource(name, repo, config_name=cfg.dataset_config or _HUB_DEFAULT_CONFIGS.get(repo))
 
 
+def check_local_rows(dataset: str | None, text_field: str = "text") -> None:
+    """Check a local JSON dataset's rows now (one line naming file:line), before a run starts anything."""
+    if dataset:
+        source = resolve_source(DataConfig(dataset=dataset, seq_len=2, text_field=text_field))  # seq_len: unused here
+        if source.is_local and source.builder == "json":
+            check_json_rows(list(source.data_files), text_field)
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__

@@ -51,10 +51,17 @@ def _kind(value: Any) -> str:
     return {dict: "object", list: "array", str: "string", int: "number", float: "number"}.get(type(value), "value")
 
 
+_CHECKED: set[tuple[str, int, int, str]] = set()  # (file, size, mtime_ns, field): read once per process
+
+
 def check_json_rows(files: list[str], field: str) -> None:
     """AdaptiveError at the first record that is not an object with a string `field` ("" is a blank
     document, skipped like blank text)."""
     for name in files:
+        stat = Path(name).stat()
+        key = (str(Path(name).resolve()), stat.st_size, stat.st_mtime_ns, field)
+        if key in _CHECKED:
+            continue
         for where, record in _records(Path(name)):
             if not isinstance(record, dict):
                 raise AdaptiveError(f"{where} is a JSON {_kind(record)}, not an object like "
@@ -66,6 +73,7 @@ def check_json_rows(files: list[str], field: str) -> None:
             if not isinstance(value, str):
                 got = "null" if value is None else f"{_kind(value)} {json.dumps(value)[:40]}"
                 raise AdaptiveError(f"{where}: {field!r} must be a string of text, got {got}")
+        _CHECKED.add(key)
 
 
 __all__ = ["check_json_rows"]

@@ -31,7 +31,9 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
     from adaptive.train.loop import Loop, LoopSettings, restore, train, write_run_files
     from adaptive.train.metrics import MetricsWriter
     from adaptive.train.runplan import World, check_with_deepspeed, detect_device, launcher_world, plan_run
+    from adaptive.train.data import check_local_rows
 
+    check_local_rows(config.data.dataset, config.data.text_field)  # a bad row: one line before anything starts
     partial = setup.init_distributed()
     main_process = partial.is_main_process
     configure_logging(main_process)
