@@ -146,6 +146,8 @@ def plan_launch(req: LaunchRequest) -> Launch:
     config = req.config
     preset, arch = load_recipe(recipe).resolve(config)
     orchestrator_settings(config)  # the recipe would refuse them after the launch; refuse them before
+    if not req.dry_run:
+        require("adaptive launch")  # before the run folder is written
     gpus, nodes = config.hardware.gpus or 1, config.hardware.nodes or 1
     gpu = config.hardware.gpu or _detected_gpu()
     hosts = read_hostfile(req.hostfile) if req.hostfile else None
