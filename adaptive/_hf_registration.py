@@ -13,6 +13,8 @@ import importlib.machinery
 import importlib.util
 import sys
 
+from adaptive.extras import installed
+
 _done = False
 
 
@@ -54,8 +56,8 @@ class _TransformersWatcher(importlib.abc.MetaPathFinder):
 def install() -> None:
     if importlib.util.find_spec("adaptive.models") is None:
         return
-    if "transformers" in sys.modules:
+    if sys.modules.get("transformers") is not None:
         _register()
-    elif importlib.util.find_spec("transformers") is not None:
+    elif installed("transformers"):  # not when a planner-only install lacks it (or sys.modules blocks it)
         if not any(isinstance(f, _TransformersWatcher) for f in sys.meta_path):
             sys.meta_path.insert(0, _TransformersWatcher())

@@ -37,6 +37,7 @@ from typing import Any
 
 from adaptive.config.run import TRAIN, RunConfig, to_argv
 from adaptive.errors import AdaptiveError
+from adaptive.extras import require
 from adaptive.plan import Plan, fit, make_request
 from adaptive.plan.emit import accelerate_config, to_yaml, write_plan_files
 
@@ -138,11 +139,14 @@ def _shell_safe(args: list[str]) -> None:
 
 def plan_launch(req: LaunchRequest) -> Launch:
     """Plan, write the run folder's configs, and build the commands (nothing is run)."""
-    from adaptive.recipe import load_recipe
+    from adaptive.recipe import load_recipe, orchestrator_settings
 
     recipe = Path(req.recipe)
     config = req.config
     preset, arch = load_recipe(recipe).resolve(config)
+    orchestrator_settings(config)  # the recipe would refuse them after the launch; refuse them before
+    if not req.dry_run:
+        require("adaptive launch")  # before the run folder is written
     gpus, nodes = config.hardware.gpus or 1, config.hardware.nodes or 1
     gpu = config.hardware.gpu or _detected_gpu()
     hosts = read_hostfile(req.hostfile) if req.hostfile else None
@@ -250,6 +254,7 @@ def run_launch(launch: Launch) -> int:
     """Run this node's command through accelerate's launcher, in this process, and return its exit code.
     A recipe that stops on bad input has already said why in one line (and left it in ADAPTIVE_ERROR_FILE):
     that is exit code 2, without the launcher's traceback on top."""
+    require("adaptive launch")  # accelerate's launcher, here and on every node
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     from adaptive.config.commandline import ERROR_FILE_ENV

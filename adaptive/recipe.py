@@ -95,7 +95,10 @@ def orchestrator_settings(config: RunConfig) -> Any:
 
 def train(config: RunConfig, preset: str, arch: str, callbacks: list[Any] | None = None) -> Any:
     """Train with the orchestrator's policies as the loop's plugins; returns the final TrainerState."""
+    from adaptive.extras import require
     from adaptive.orchestrator import policies
+
+    require("training")  # before torch is imported: one line in a planner-only install
     from adaptive.train.entry import run
 
     orchestrator = orchestrator_settings(config)  # bad settings fail before anything starts

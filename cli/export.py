@@ -20,6 +20,9 @@ Json = Annotated[bool, typer.Option("--json", help="Print {path, format, reason}
 
 def export(run_dir: RunDir, export_format: Format = "auto", out: Out = None, json_output: Json = False) -> None:
     """Convert a run's HF export to llama / mixtral / adaptive, saying why a portable format was not possible."""
+    from adaptive.extras import require
+
+    require("adaptive export")
     from transformers.utils import logging as hf_logging
 
     from adaptive.train.export import convert_export

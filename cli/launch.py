@@ -21,7 +21,7 @@ def launch(
     hostfile: Annotated[Optional[Path], typer.Option(help="DeepSpeed hostfile (`host slots=N` lines): launch all "
                                                      "nodes from here with DeepSpeed's pdsh launcher.")] = None,
     main_process_ip: Annotated[Optional[str], typer.Option(help="Main node's address (several nodes).")] = None,
-    main_process_port: Annotated[int, typer.Option(help="Main node's port.")] = 29500,
+    main_process_port: Annotated[int, typer.Option(help="Main node's port.", min=1, max=65535)] = 29500,
     machine_rank: Annotated[int, typer.Option(help="This node's rank (several nodes, no hostfile).")] = 0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Plan, write the configs (not over existing ones), print; "
                                                     "do not run.")] = False,

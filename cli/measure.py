@@ -10,6 +10,7 @@ import typer
 from adaptive.plan import make_request
 from adaptive.config.commandline import with_run_options
 from adaptive.config.run import MEASURE, RunConfig
+from adaptive.extras import require
 from cli.fit import Json
 
 
@@ -23,6 +24,7 @@ def measure(
     json_output: Json = False,
 ) -> None:
     """Measure memory of a real training step with fake tensors (no memory, no GPU), next to the plan."""
+    require("adaptive measure")  # before minutes of work and before torch: one line in a planner-only install
     from adaptive.plan.planner import validate
 
     # what is measured: the pinned knobs, else one sequence on ZeRO-0 without checkpointing

@@ -15,6 +15,9 @@ Out = Annotated[Optional[Path], typer.Option("--out", "-o",
 
 def report(run_dir: RunDir, out: Out = None) -> None:
     """Draw a training run and summarise it: curves, expert load per layer, the orchestrator's decisions."""
+    from adaptive.extras import require
+
+    require("adaptive report")
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -22,6 +25,9 @@ def report(run_dir: RunDir, out: Out = None) -> None:
     from adaptive.orchestrator.report import write_report  # matplotlib is imported inside, on use
 
     path, s, _ = write_report(run_dir, out)
+    if s["skipped_lines"]:
+        typer.echo(f"warning: skipped {s['skipped_lines']} line(s) of {run_dir}/metrics.jsonl or events.jsonl that are "
+                   "not JSON records of the expected shape", err=True)
     console = Console()
     table = Table(title=f"Run {s['run_dir']}" + (f" ({s['model']})" if s["model"] else ""), box=box.SIMPLE_HEAD,
                   show_header=False)

@@ -67,6 +67,9 @@ def parse_policies(text: str | None) -> tuple[str, ...]:
     if text.strip() == "none":
         return ()
     names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise AdaptiveError(f"--orchestrator-policies {text!r} names no policy; give names ({', '.join(POLICY_NAMES)}), "
+                            "all or none")
     for name in names:
         if name not in POLICY_NAMES:
             raise AdaptiveError(f"unknown orchestrator policy {name!r}{_closest(name, POLICY_NAMES)}")
@@ -82,7 +85,11 @@ def parse_settings(text: str | None) -> dict[str, dict[str, Any]]:
         path = Path(text).expanduser()
         if not path.is_file():
             raise AdaptiveError(f"--orchestrator-config {text!r} is neither a JSON object nor a file")
-        source = path.read_text(encoding="utf-8")
+        try:
+            source = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise AdaptiveError(f"--orchestrator-config {text!r} is not UTF-8 text (byte {err.start}); give a JSON "
+                                "object") from None
     try:
         data = json.loads(source)
     except json.JSONDecodeError as err:
@@ -106,12 +113,13 @@ def parse_settings(text: str | None) -> dict[str, dict[str, Any]]:
 
 
 def _validate(section: str, cls: type, values: dict[str, Any]) -> Any:
-    """Types by pydantic against the dataclass's fields (no NaN or infinity), ranges by its __post_init__."""
+    """Types by pydantic against the dataclass's fields, strictly (no NaN or infinity, no `true` or `"3"` for
+    a number; an integer is a valid float), ranges by its __post_init__."""
     from pydantic import ConfigDict, TypeAdapter, ValidationError
 
     try:
-        strict = type(cls.__name__, (cls,), {"__pydantic_config__": ConfigDict(allow_inf_nan=False)})
-        return TypeAdapter(strict).validate_python(values)
+        strict = type(cls.__name__, (cls,), {"__pydantic_config__": ConfigDict(allow_inf_nan=False, strict=True)})
+        return TypeAdapter(strict).validate_json(json.dumps(values))  # strict JSON: an object is a dataclass
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in (section, *first["loc"]))

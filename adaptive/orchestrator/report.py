@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from adaptive.errors import AdaptiveError
-from adaptive.orchestrator.events import EVENTS_FILE, read_events
+from adaptive.orchestrator.events import EVENTS_FILE
+from adaptive.orchestrator.run_records import read_records
 
 METRICS_FILE = "metrics.jsonl"
 REPORT_FILE = "report.png"
@@ -44,6 +45,7 @@ class RunData:
     end: dict[str, Any] | None
     decisions: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] | None = None
+    skipped_lines: int = 0  # lines of metrics.jsonl / events.jsonl that were not records of the right shape
 
     @property
     def steps(self) -> list[int]:
@@ -61,23 +63,35 @@ def load_run(run_dir: str | Path) -> RunData:
         raise AdaptiveError(f"run folder {str(run_dir)!r} does not exist")
     if not metrics.is_file():
         raise AdaptiveError(f"{str(run_dir)!r} has no {METRICS_FILE}: is it a run's --output-dir?")
-    records = read_events(metrics)  # any JSON-lines file
+    records, skipped = read_records(metrics)
     by_step: dict[int, dict[str, Any]] = {}
+    shapes: dict[str, Any] = {}  # per-layer series keep the shape of their first record (the model's layers)
     for r in records:
-        if r.get("kind") == "train":
-            by_step[r["step"]] = r  # a replay after a rollback supersedes the first try
+        if r.get("kind") != "train":
+            continue
+        shape = {k: _shape(r.get(k)) for k in ("expert_counts", "mod_skip_rate", "dropped_fraction") if r.get(k)}
+        if any(shapes.setdefault(k, v) != v for k, v in shape.items()):
+            skipped += 1
+            continue
+        by_step[r["step"]] = r  # a replay after a rollback supersedes the first try
     if not by_step:
-        raise AdaptiveError(f"{metrics} has no training records yet")
+        unread = f" ({skipped} unreadable line(s) skipped)" if skipped else ""
+        raise AdaptiveError(f"{metrics} has no training records yet{unread}")
     evals_by_step = {r["step"]: r for r in records if r.get("kind") == "eval"}
     starts = [r for r in records if r.get("kind") == "start"]
     ends = [r for r in records if r.get("kind") == "end"]
-    events = read_events(root / EVENTS_FILE) if (root / EVENTS_FILE).is_file() else []
+    events, skipped_events = read_records(root / EVENTS_FILE) if (root / EVENTS_FILE).is_file() else ([], 0)
     summaries = [e for e in events if e.get("kind") == "summary"]
     return RunData(run_dir=root, start=starts[0] if starts else None, train=[by_step[s] for s in sorted(by_step)],
                    evals=[evals_by_step[s] for s in sorted(evals_by_step)],
                    rollbacks=[r for r in records if r.get("kind") == "rollback"], end=ends[-1] if ends else None,
                    decisions=[e for e in events if e.get("kind") == "decision"],
-                   summary=summaries[-1] if summaries else None)
+                   summary=summaries[-1] if summaries else None, skipped_lines=skipped + skipped_events)
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    """(layers,) or (layers, experts) of a per-layer series."""
+    return (len(value), *sorted({len(row) for row in value if isinstance(row, list)}))
 
 
 def _num(values: list[Any]) -> list[float]:
@@ -244,6 +258,7 @@ def run_summary(run: RunData) -> dict[str, Any]:
         "skipped_steps": last.get("skipped_steps"), "rollbacks": len(run.rollbacks),
         "decisions": {}, "finished": run.end is not None,
         "orchestrator": (run.start or {}).get("orchestrator"),  # {requested, enabled, reason}
+        "skipped_lines": run.skipped_lines,
     }
     for e in run.decisions:
         out["decisions"].setdefault(e["policy"], {}).setdefault(e["action"], 0)
@@ -263,8 +278,12 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> tuple[Pa
     run = load_run(run_dir)
     target = Path(out) if out is not None else run.run_dir / REPORT_FILE
     figure = build_figure(run)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(target, dpi=DPI)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(target, dpi=DPI)
+    except OSError as err:
+        raise AdaptiveError(f"cannot write the report to {str(target)!r}: {err.strerror or err}; pass --out PATH.png "
+                            "in a writable folder") from None
     return target, run_summary(run), figure
 
 

@@ -9,17 +9,22 @@ would take but the planner does not model are listed in `ignored`, never dropped
 
 Defaults for keys the file leaves out are DeepSpeed 0.19's (`runtime/zero/config.py`): reduce and
 all-gather buckets 5e8 elements, `overlap_comm` off for ZeRO-1/2 and on for ZeRO-3, prefetch 5e7.
-Pure: `parse(dict)`; request.py reads the file.
+
+The one reader of a DeepSpeed JSON, for `adaptive fit` and the recipes alike: `load(path)` reads the
+file, `check` validates the sections the planner and the recipes read (pydantic models, in
+`ds_config_schema.py`), then `parse` gives the planner's input and `pins` the knobs a recipe keeps.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from adaptive.errors import AdaptiveError
+from adaptive.plan.ds_config_schema import AUTO, check
 
-AUTO = "auto"
 DS_DEFAULT_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size / allgather_bucket_size default
 DS_DEFAULT_PREFETCH_ELEMENTS = 50_000_000  # stage3_prefetch_bucket_size default
 
@@ -74,22 +79,64 @@ def _enabled(section: Any) -> bool | None:
     return None if value == AUTO else bool(value)
 
 
+def load(path: str, what: str = "--ds-config") -> dict[str, Any]:
+    """The checked JSON object of a DeepSpeed config file; AdaptiveError (one line) when it is missing,
+    unreadable, not UTF-8, not JSON, not an object, or shaped in a way DeepSpeed would refuse."""
+    try:
+        data = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise AdaptiveError(f"{what} {path!r} does not exist") from None
+    except UnicodeDecodeError as e:
+        raise AdaptiveError(f"{what} {path!r} is not UTF-8 text (byte {e.start}); give a DeepSpeed JSON file") from None
+    except OSError as e:
+        raise AdaptiveError(f"cannot read {what} {path!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise AdaptiveError(f"{what} {path!r} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    check(data, f"{what} {path!r}")
+    return data
+
+
+def offload_pin(optimizer_device: str | None, param_device: str | None) -> str | None:
+    """none | optimizer | all from the two offload devices; None when neither says."""
+    devices = {optimizer_device, param_device} - {None, "none", "auto"}
+    if not devices:
+        return "none" if optimizer_device == "none" or param_device == "none" else None
+    return "all" if param_device not in (None, "none", "auto") else "optimizer"
+
+
+def pins(data: dict[str, Any]) -> dict[str, Any]:
+    """The knobs a checked DeepSpeed config fixes (explicit values only): zero, offload, micro_batch,
+    grad_accum, clipping, precision."""
+    zero = data.get("zero_optimization") or {}
+    out: dict[str, Any] = {}
+    if zero.get("stage", AUTO) != AUTO:
+        out["zero"] = int(zero["stage"])
+    offload = offload_pin((zero.get("offload_optimizer") or {}).get("device"),
+                          (zero.get("offload_param") or {}).get("device"))
+    if offload is not None:
+        out["offload"] = offload
+    for pin, key in (("micro_batch", "train_micro_batch_size_per_gpu"), ("grad_accum", "gradient_accumulation_steps")):
+        if data.get(key, AUTO) not in (None, AUTO):
+            out[pin] = int(data[key])
+    if data.get("gradient_clipping", AUTO) not in (None, AUTO):
+        out["clipping"] = float(data["gradient_clipping"])
+    for name in ("bf16", "fp16"):
+        if (data.get(name) or {}).get("enabled") is True:
+            out["precision"] = name
+    return out
+
+
 def parse(data: Any, path: str, hidden_size: int) -> DsConfigInput:
     """Read a DeepSpeed config dict; AdaptiveError for values DeepSpeed itself would refuse."""
-    if not isinstance(data, dict):
-        raise AdaptiveError(f"ds_config {path!r} must hold a JSON object, got {type(data).__name__}")
+    check(data, f"ds_config {path!r}")
     sources: list[tuple[str, str]] = []
     ignored = [k for k in data if k not in HANDLED]
     zero = data.get("zero_optimization", {})
-    if not isinstance(zero, dict):
-        raise AdaptiveError(f"ds_config zero_optimization must be an object, got {zero!r}")
     ignored += [f"zero_optimization.{k}" for k in zero if k not in ZERO_HANDLED]
 
     stage = None
     if "stage" in zero and zero["stage"] != AUTO:
         stage = zero["stage"]
-        if stage not in (0, 1, 2, 3):
-            raise AdaptiveError(f"ds_config zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
         sources.append(("zero_stage", f"zero_optimization.stage = {stage}"))
     elif "stage" not in zero and "zero_optimization" in data:
         stage = 0  # DeepSpeed's default
@@ -193,4 +240,4 @@ def drivers(ds: DsConfigInput, parts: dict[str, int], zero_stage: int) -> list[t
     return out
 
 
-__all__ = ["DsConfigInput", "parse", "drivers"]
+__all__ = ["DsConfigInput", "drivers", "load", "offload_pin", "parse", "pins"]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from adaptive.errors import AdaptiveError, unknown
 from adaptive.plan.blocks import block_type
+from adaptive.plan.hf_fields import EXPERT_KEYS, check_fields
 from adaptive.plan.presets import (ARCHS, DEFAULT_MOD_CAPACITY, DEFAULT_NUM_EXPERTS, DEFAULT_TOP_K,
                                     ModelSpec, layer_pattern)
 
@@ -30,7 +31,7 @@ def read_config_json(path: str | Path) -> dict:
     if not path.is_file():
         raise AdaptiveError(f"model config {str(path)!r} does not exist; give a preset name or a config.json path")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise AdaptiveError(f"malformed config.json {str(path)!r}: {e.msg} at line {e.lineno} column {e.colno}") from None
     except (UnicodeDecodeError, OSError) as e:
@@ -38,17 +39,6 @@ def read_config_json(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise AdaptiveError(f"malformed config.json {str(path)!r}: expected a JSON object, got {type(data).__name__}")
     return data
-
-
-def _field(cfg: dict, key: str, path: str, kind: type = int, default=None):
-    value = cfg.get(key, default)
-    if value is None:
-        raise AdaptiveError(f"config.json {path!r} lacks {key!r}, which a {cfg.get('model_type')} config needs")
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise AdaptiveError(f"config.json {path!r}: {key} must be an integer, got {value!r}")
-    if kind is int and value <= 0:
-        raise AdaptiveError(f"config.json {path!r}: {key} must be positive, got {value}")
-    return value
 
 
 def _name_from_path(path: Path) -> str:
@@ -69,59 +59,47 @@ def spec_from_hf_config(path: str | Path, arch: str | None = None) -> ModelSpec:
     if model_type == "adaptive":
         return _spec_from_adaptive_config(cfg, p)
 
-    h = _field(cfg, "hidden_size", p)
-    heads = _field(cfg, "num_attention_heads", p)
-    kv = _field(cfg, "num_key_value_heads", p, default=heads)
-    layers = _field(cfg, "num_hidden_layers", p)
-    if not cfg.get("head_dim") and h % heads:
-        raise AdaptiveError(f"config.json {p!r}: hidden_size ({h}) is not divisible by num_attention_heads ({heads}) "
-                            "and no head_dim is given")
-    head_dim = cfg.get("head_dim") or h // heads
+    f = check_fields(cfg, p)
+    h, heads, layers = f.hidden_size, f.num_attention_heads, f.num_hidden_layers
+    kv = f.num_key_value_heads or heads
+    head_dim = f.head_dim or h // heads
     if head_dim % 2:
         raise AdaptiveError(f"config.json {p!r}: head_dim ({head_dim}) must be even; rotary embeddings rotate pairs")
-    if heads % kv:
-        raise AdaptiveError(f"config.json {p!r}: num_attention_heads ({heads}) must be divisible by num_key_value_heads ({kv})")
-    name = cfg.get("_name_or_path") or _name_from_path(Path(p))
+    rope = f.rope_parameters.rope_theta if f.rope_parameters and f.rope_parameters.rope_theta else f.rope_theta
     common = dict(
-        name=str(name) or model_type,
-        vocab_size=_field(cfg, "vocab_size", p),
+        name=f.name_or_path or _name_from_path(Path(p)) or model_type,
+        vocab_size=f.vocab_size,
         hidden_size=h,
-        intermediate_size=_field(cfg, "intermediate_size", p),
+        intermediate_size=f.intermediate_size,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv,
         head_dim=head_dim,
-        max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
-        rope_theta=float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=f.max_position_embeddings or 4096,
+        rope_theta=float(rope or 10000.0),
+        tie_word_embeddings=f.tie_word_embeddings,
         source=f"hf:{model_type}",
     )
     if model_type == "llama":
-        bias = bool(cfg.get("attention_bias", False))
-        common.update(qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)))
+        common.update(qkv_bias=f.attention_bias, o_bias=f.attention_bias, mlp_bias=f.mlp_bias)
     elif model_type in ("qwen2", "qwen2_moe"):
-        common.update(qkv_bias=bool(cfg.get("qkv_bias", True)))
+        common.update(qkv_bias=True if f.qkv_bias is None else f.qkv_bias)
 
-    if model_type == "mixtral":
+    if model_type in MOE_TYPES:
         if arch not in (None, "moe"):
-            raise AdaptiveError(f"--arch {arch} does not apply to {p!r}: a mixtral config is already moe")
-        experts = _field(cfg, "num_local_experts", p, default=8)
-        return ModelSpec(arch="moe", layer_types=("moe",) * layers, num_local_experts=experts,
-                         num_experts_per_tok=_field(cfg, "num_experts_per_tok", p, default=2),
+            raise AdaptiveError(f"--arch {arch} does not apply to {p!r}: a {model_type} config is already moe")
+        key, experts, top_k = EXPERT_KEYS[model_type]
+        experts, top_k = getattr(f, key) or experts, f.num_experts_per_tok or top_k
+    if model_type == "mixtral":
+        return ModelSpec(arch="moe", layer_types=("moe",) * layers, num_local_experts=experts, num_experts_per_tok=top_k,
                          moe_intermediate_size=common["intermediate_size"], **common)
     if model_type == "qwen2_moe":
-        if arch not in (None, "moe"):
-            raise AdaptiveError(f"--arch {arch} does not apply to {p!r}: a qwen2_moe config is already moe")
-        step = _field(cfg, "decoder_sparse_step", p, default=1)
-        dense_only = set(cfg.get("mlp_only_layers") or [])
+        step = f.decoder_sparse_step or 1
+        dense_only = set(f.mlp_only_layers or [])
         types = tuple("moe" if (i + 1) % step == 0 and i not in dense_only else "dense" for i in range(layers))
-        return ModelSpec(arch="moe", layer_types=types,
-                         num_local_experts=_field(cfg, "num_experts", p, default=60),
-                         num_experts_per_tok=_field(cfg, "num_experts_per_tok", p, default=4),
-                         moe_intermediate_size=_field(cfg, "moe_intermediate_size", p, default=1408),
-                         shared_expert_intermediate_size=_field(cfg, "shared_expert_intermediate_size", p,
-                                                                default=5632),
-                         **common)
+        return ModelSpec(arch="moe", layer_types=types, num_local_experts=experts, num_experts_per_tok=top_k,
+                         moe_intermediate_size=f.moe_intermediate_size or 1408,
+                         shared_expert_intermediate_size=f.shared_expert_intermediate_size or 5632, **common)
     arch = arch or "dense"
     if arch not in ARCHS:
         raise unknown("arch", arch, ARCHS)
@@ -137,18 +115,26 @@ def spec_from_hf_config(path: str | Path, arch: str | None = None) -> ModelSpec:
 
 
 def _spec_from_adaptive_config(cfg: dict, path: str) -> ModelSpec:
-    """Our own exported config.json: its fields are ModelSpec's fields."""
-    fields = set(ModelSpec.__dataclass_fields__)
-    data = {k: v for k, v in cfg.items() if k in fields}
-    data["name"] = cfg.get("preset") or Path(path).parent.name or "adaptive"
-    data.setdefault("arch", cfg.get("arch", "dense"))
+    """Our own exported config.json: its fields are ModelSpec's fields (checked like an HF config's)."""
+    f = check_fields(cfg, path)
+    arch = f.arch or "dense"
+    if arch not in ARCHS:
+        raise unknown(f"arch in config.json {path!r}:", arch, ARCHS)
     # our config stores the per-layer pattern as `block_types` (transformers reserves `layer_types`)
-    data["layer_types"] = tuple(cfg.get("block_types") or ())
-    data["source"] = "hf:adaptive"
-    try:
-        return ModelSpec(**data)
-    except TypeError as e:
-        raise AdaptiveError(f"config.json {path!r} is not a complete adaptive config: {e}") from None
+    types = tuple(f.block_types or ("dense",) * f.num_hidden_layers)
+    for t in types:
+        block_type(t)  # an unknown name is a one-line error naming the valid ones
+    rope = f.rope_parameters.rope_theta if f.rope_parameters and f.rope_parameters.rope_theta else f.rope_theta
+    return ModelSpec(
+        name=f.preset or Path(path).parent.name or "adaptive", arch=arch, vocab_size=f.vocab_size,
+        hidden_size=f.hidden_size, intermediate_size=f.intermediate_size, num_hidden_layers=f.num_hidden_layers,
+        num_attention_heads=f.num_attention_heads, num_key_value_heads=f.num_key_value_heads or f.num_attention_heads,
+        head_dim=f.head_dim or f.hidden_size // f.num_attention_heads, layer_types=types,
+        max_position_embeddings=f.max_position_embeddings or 4096, rope_theta=float(rope or 10000.0),
+        tie_word_embeddings=f.tie_word_embeddings, qkv_bias=bool(f.qkv_bias), o_bias=f.o_bias, mlp_bias=f.mlp_bias,
+        num_local_experts=f.num_local_experts, num_experts_per_tok=f.num_experts_per_tok,
+        moe_intermediate_size=f.moe_intermediate_size, shared_expert_intermediate_size=f.shared_expert_intermediate_size or 0,
+        mod_capacity=float(f.mod_capacity), mod_predictor_hidden_size=f.mod_predictor_hidden_size, source="hf:adaptive")
 
 
 def default_kernels(spec: ModelSpec) -> str:

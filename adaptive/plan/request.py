@@ -10,7 +10,7 @@ from adaptive.config.run import RunConfig
 from adaptive.errors import AdaptiveError, require_positive
 from adaptive.plan.attention import ATTENTIONS
 from adaptive.plan.calibration import load as load_calibration
-from adaptive.plan.ds_config_input import DsConfigInput, parse as parse_ds_config
+from adaptive.plan.ds_config_input import DsConfigInput, load as load_ds_file, parse as parse_ds_config
 from adaptive.plan.gpus import GiB, GPU, custom_gpu, get_gpu
 from adaptive.plan.hf_config import default_kernels, looks_like_path, spec_from_hf_config
 from adaptive.plan.optimizers import check_optimizer
@@ -131,16 +131,8 @@ def merge_ds_pins(ds: DsConfigInput, *, zero: int | None, offload: str | None, m
 
 
 def load_ds_config(path: str, hidden_size: int) -> DsConfigInput:
-    """Read and parse a DeepSpeed JSON (--ds-config); AdaptiveError when it cannot be read."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise AdaptiveError(f"--ds-config {path!r} does not exist") from None
-    except OSError as e:
-        raise AdaptiveError(f"cannot read --ds-config {path!r}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise AdaptiveError(f"--ds-config {path!r} is not valid JSON: {e}") from None
-    return parse_ds_config(data, str(path), hidden_size)
+    """Read, check and parse a DeepSpeed JSON (--ds-config); AdaptiveError when it cannot be used."""
+    return parse_ds_config(load_ds_file(path), str(path), hidden_size)
 
 
 def request_from_config(config: RunConfig, *, model: str = "b7", calibrate: str | None = None) -> FitRequest:

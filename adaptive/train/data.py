@@ -45,6 +45,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from adaptive.errors import AdaptiveError
+from adaptive.train.data_rows import check_json_rows
 from adaptive.train.tokenizer import DEFAULT_CORPUS
 
 if TYPE_CHECKING:
@@ -153,6 +154,14 @@ def resolve_source(cfg: DataConfig) -> DataSource:
     return DataSource(name, repo, config_name=cfg.dataset_config or _HUB_DEFAULT_CONFIGS.get(repo))
 
 
+def check_local_rows(dataset: str | None, text_field: str = "text") -> None:
+    """Check a local JSON dataset's rows now (one line naming file:line), before a run starts anything."""
+    if dataset:
+        source = resolve_source(DataConfig(dataset=dataset, seq_len=2, text_field=text_field))  # seq_len: unused here
+        if source.is_local and source.builder == "json":
+            check_json_rows(list(source.data_files), text_field)
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
@@ -219,6 +228,8 @@ def _load_local(source: DataSource, cfg: DataConfig, streaming: bool) -> dataset
         logger.warning("skipping %d empty file(s) in %s", len(source.data_files) - len(files), source.label)
     if not files:
         return None
+    if source.builder == "json":
+        check_json_rows(files, cfg.text_field)  # file:line for a bad row, before pyarrow's "in row 3"
     kwargs = {"sample_by": cfg.txt_sample_by, "keep_linebreaks": True} if source.builder == "text" else {}
     try:
         return datasets.load_dataset(

@@ -26,6 +26,7 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
     """Train. `callbacks` always run, first; `plugins()` (the orchestrator) when the run has it on. The run
     folder is checked, locked, and (with --overwrite) cleared before anything else is written."""
     from adaptive.train import setup
+    from adaptive.train.data import check_local_rows
     from adaptive.train.display import configure_logging
 
     out = config.output
@@ -33,6 +34,7 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
     if out.resume and out.overwrite:
         raise AdaptiveError("--resume continues the run in --output-dir and --overwrite deletes it; give one of them")
     check_fresh_start(output_dir, out.resume, out.overwrite)  # every rank, before anything is written
+    check_local_rows(config.data.dataset, config.data.text_field)  # a bad row: one line before anything starts
     partial = setup.init_distributed()
     main_process = partial.is_main_process
     configure_logging(main_process)
@@ -90,12 +92,13 @@ def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] 
     from adaptive.train import setup
     from adaptive.train.loop import Loop, LoopSettings, restore, set_peak_lr, train, write_run_files
     from adaptive.train.metrics import MetricsWriter
-    from adaptive.train.runplan import World, detect_device, launcher_world, plan_run
+    from adaptive.train.runplan import World, check_with_deepspeed, detect_device, launcher_world, plan_run
 
     main_process = partial.is_main_process
     logger = get_logger(__name__)
     world = World(partial.num_processes, min(launcher_world().per_node, partial.num_processes))
     plan = plan_run(config, preset, arch, world, detect_device(config.hardware.gpu))
+    check_with_deepspeed(plan.ds_config, world.size)  # before the model is built
     accelerator = setup.make_accelerator(plan)
     setup.quiet_libraries(main_process)
     logger.info("plan: %s %s on %d x %s (%s), knobs %s, DeepSpeed config from %s%s, %d steps of %d tokens",

@@ -24,17 +24,18 @@ FLOPs per token and its ZeRO layout are used, its GPU memory and speed figures a
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from adaptive.config.run import RunConfig
-from adaptive.errors import AdaptiveError
+from adaptive.errors import AdaptiveError, from_validation
+from adaptive.extras import require
 from adaptive.train.callbacks import Knobs
 from adaptive.plan import GPU, Plan, fit, get_gpu, make_request
+from adaptive.plan.ds_config_input import load as load_ds_file, offload_pin, pins
+from adaptive.plan.ds_config_schema import check as check_ds_shape
 from adaptive.plan.emit import GRADIENT_CLIPPING, ds_config
 from adaptive.plan.gpus import match_detected_gpu
 
@@ -80,6 +81,7 @@ def detect_device(gpu_flag: str | None, assume_gpu: bool = False) -> Device:
     named = get_gpu(gpu_flag) if gpu_flag else None
     if named is not None and assume_gpu:
         return Device("cuda", named)
+    require("finding the GPU (no --gpu given)")
     import torch
 
     if not torch.cuda.is_available():
@@ -106,43 +108,10 @@ def _explicit(value: Any) -> bool:
     return value is not None and value != "auto"
 
 
-def _load_json(path: str) -> dict[str, Any]:
-    try:
-        return json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise AdaptiveError(f"DeepSpeed config {path!r} does not exist") from None
-    except json.JSONDecodeError as err:
-        raise AdaptiveError(f"DeepSpeed config {path!r} is not valid JSON: {err}") from None
-
-
-def _offload_pin(optimizer_device: str | None, param_device: str | None) -> str | None:
-    devices = {optimizer_device, param_device} - {None, "none", "auto"}
-    if not devices:
-        return "none" if optimizer_device == "none" or param_device == "none" else None
-    return "all" if param_device not in (None, "none", "auto") else "optimizer"
-
-
 def file_pins(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The knobs a DeepSpeed config fixes (explicit values only)."""
-    zero = cfg.get("zero_optimization", {}) or {}
-    pins: dict[str, Any] = {}
-    if _explicit(zero.get("stage")):
-        pins["zero"] = int(zero["stage"])
-    offload = _offload_pin((zero.get("offload_optimizer") or {}).get("device"),
-                           (zero.get("offload_param") or {}).get("device"))
-    if offload is not None:
-        pins["offload"] = offload
-    if _explicit(cfg.get("train_micro_batch_size_per_gpu")):
-        pins["micro_batch"] = int(cfg["train_micro_batch_size_per_gpu"])
-    if _explicit(cfg.get("gradient_accumulation_steps")):
-        pins["grad_accum"] = int(cfg["gradient_accumulation_steps"])
-    if _explicit(cfg.get("gradient_clipping")):
-        pins["clipping"] = float(cfg["gradient_clipping"])
-    for name in ("bf16", "fp16"):
-        section = cfg.get(name) or {}
-        if section.get("enabled") is True or str(section.get("enabled")).lower() == "true":
-            pins["precision"] = name
-    return pins
+    """The knobs a DeepSpeed config fixes (explicit values only); checked by the planner's one reader."""
+    check_ds_shape(cfg, "DeepSpeed config")
+    return pins(cfg)
 
 
 def accelerate_pins(env: dict[str, str]) -> dict[str, Any]:
@@ -150,7 +119,7 @@ def accelerate_pins(env: dict[str, str]) -> dict[str, Any]:
     pins: dict[str, Any] = {}
     if "ACCELERATE_DEEPSPEED_ZERO_STAGE" in env:
         pins["zero"] = int(env["ACCELERATE_DEEPSPEED_ZERO_STAGE"])
-    offload = _offload_pin(env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
+    offload = offload_pin(env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
                            env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"))
     if offload is not None:
         pins["offload"] = offload
@@ -166,12 +135,12 @@ def accelerate_pins(env: dict[str, str]) -> dict[str, Any]:
 def deepspeed_source(ds_config_flag: str | None, env: dict[str, str] | None = None) -> DeepSpeedSource:
     env = dict(os.environ) if env is None else env
     if ds_config_flag:
-        cfg = _load_json(ds_config_flag)
+        cfg = load_ds_file(ds_config_flag)
         return DeepSpeedSource("file", ds_config_flag, cfg, file_pins(cfg))
     if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
         if path and path != "none":
-            cfg = _load_json(path)
+            cfg = load_ds_file(path, "accelerate's deepspeed_config_file")
             return DeepSpeedSource("accelerate", path, cfg, file_pins(cfg))
         pins = accelerate_pins(env)
         if pins:
@@ -367,6 +336,50 @@ def finalize_ds_config(base: dict[str, Any], knobs: Knobs, world_size: int, prec
     return cfg
 
 
+class _DataParallel:
+    """DeepSpeed's `mpu` interface, for the data-parallel size a config is checked against."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.size
+
+
+def _keys_at(model: Any, loc: tuple) -> list[str]:
+    """The keys DeepSpeed's pydantic `model` takes at the section `loc` points into (for a typo hint)."""
+    for part in loc[:-1]:
+        annotation = getattr(model.model_fields.get(part), "annotation", None)  # X or Optional[X]
+        model = next((a for a in (annotation, *getattr(annotation, "__args__", ())) if hasattr(a, "model_fields")), None)
+        if model is None:
+            return []
+    return [*model.model_fields, *(f.alias for f in model.model_fields.values() if f.alias)]
+
+
+def check_with_deepspeed(cfg: dict[str, Any], world_size: int) -> None:
+    """DeepSpeed's own `DeepSpeedConfig` on the final config, where DeepSpeed is installed: what it would
+    refuse in `deepspeed.initialize`, after the model is built, is one line now. The global batch is left
+    for DeepSpeed to derive (without a process group it counts one process)."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    checked = {k: v for k, v in copy.deepcopy(cfg).items() if k != "train_batch_size"}
+    try:
+        DeepSpeedConfig(checked, mpu=_DataParallel(world_size))
+    except ValidationError as err:
+        section = "zero_optimization" if err.title == DeepSpeedZeroConfig.__name__ else err.title
+        known = _keys_at(DeepSpeedZeroConfig, err.errors()[0]["loc"]) if section == "zero_optimization" else ()
+        raise from_validation(f"DeepSpeed refuses the config's {section}", err, known) from None
+    except (DeepSpeedConfigError, AssertionError, ValueError, TypeError, KeyError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise AdaptiveError(f"DeepSpeed refuses the config: {first}") from None
+
+
 def ds_config_for_knobs(cfg: dict[str, Any], knobs: Knobs, world_size: int) -> dict[str, Any]:
     """`cfg` with the batch knobs in force written back (after the orchestrator changed them)."""
     out = copy.deepcopy(cfg)
@@ -407,6 +420,6 @@ def with_knobs(plan_json: dict[str, Any], knobs: Knobs) -> dict[str, Any]:
     return out
 
 
-__all__ = ["DeepSpeedSource", "Device", "NOMINAL_GPU", "RunPlan", "World", "deepspeed_source", "detect_device",
-           "ds_config_for_knobs", "file_pins", "finalize_ds_config", "launcher_world", "plan_run", "precision_for",
-           "replan_for_knobs", "steps_for", "with_knobs"]
+__all__ = ["DeepSpeedSource", "Device", "NOMINAL_GPU", "RunPlan", "World", "check_with_deepspeed", "deepspeed_source",
+           "detect_device", "ds_config_for_knobs", "file_pins", "finalize_ds_config", "launcher_world", "plan_run",
+           "precision_for", "replan_for_knobs", "steps_for", "with_knobs"]
