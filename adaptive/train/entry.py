@@ -78,6 +78,9 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
             restore(state, loop, path)
             state.resumed_from = path
             logger.info("resumed from %s at step %d", path, state.step)
+            if config.model.init_from:
+                logger.warning("--init-from %s ignored: the checkpoint resumed holds the trained weights",
+                               config.model.init_from)
     metrics.truncate_after(state.step if state.resumed_from else None)
     write_run_files(state, loop)
     metrics.write({"kind": "start", "step": state.step, **plan.summary(),
