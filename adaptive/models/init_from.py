@@ -16,7 +16,6 @@ probability instead. MoD routers start fresh as well; the blocks they route are 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import re
 from typing import NamedTuple
@@ -57,7 +56,7 @@ def adaptive_config(hf_config: dict, spec: ModelSpec, **overrides) -> AdaptiveCo
     """Our config for `spec` (the plan's shape and layer pattern, read from `hf_config`), with the numerics a
     checkpoint carries beyond its shape (norm eps, activation, RoPE); an adaptive export keeps its routing settings."""
     model_type = hf_config.get("model_type")
-    fields = {f.name for f in dataclasses.fields(AdaptiveConfig)}
+    fields = set(AdaptiveConfig.__annotations__)  # its own fields, not PreTrainedConfig's (architectures, dtype, ...)
     carried = {k: hf_config[k] for k in _NUMERICS if hf_config.get(k) is not None}
     if model_type == "mixtral":
         carried["router_aux_loss_coef"] = hf_config.get("router_aux_loss_coef", 0.01)
@@ -92,7 +91,7 @@ def to_native(state_dict: dict[str, torch.Tensor], config: AdaptiveConfig) -> In
     if config.tie_word_embeddings:
         native.pop("lm_head.weight", None)  # tied: the embedding is the head
     fresh, upcycled = set(), []
-    for i, kind in enumerate(config.block_types):
+    for i in range(config.num_hidden_layers):
         layer = f"model.layers.{i}."
         if i in config.moe_layers:
             fresh.add(f"{layer}mlp.gate.e_score_correction_bias")  # Mixtral has no selection bias: zeros are none
