@@ -50,7 +50,7 @@ def tiny_llama(tmp_path_factory, tokenizer):
 
 
 def _run(folder, out, home, *flags):
-    args = ["--init-from", str(folder), "--seq-len", "64", "--lr", "1e-3", "--output-dir", str(out), "--log-every", "1",
+    args = ["--init-from", str(folder), "--seq-len", "64", "--lr", "2e-3", "--output-dir", str(out), "--log-every", "1",
             "--checkpoint-every", "0", "--no-progress", *flags]
     return accelerate_launch(DRIVER, ["debug", "dense", str(out / "reference.json"), "--", *args], home=home,
                              ADAPTIVE_CACHE=str(home / "cache"))
@@ -59,7 +59,7 @@ def _run(folder, out, home, *flags):
 @pytest.mark.slow
 def test_a_recipe_starts_from_a_llama_folder_at_its_loss_and_resume_wins(tiny_llama, tmp_path):
     out = tmp_path / "run"
-    done = _run(tiny_llama, out, tmp_path, "--max-steps", "8")
+    done = _run(tiny_llama, out, tmp_path, "--max-steps", "16")
     assert done.returncode == 0, tail(done)
     start = records(out, "start")[0]
     assert start["init_from"] == str(tiny_llama)
@@ -69,17 +69,17 @@ def test_a_recipe_starts_from_a_llama_folder_at_its_loss_and_resume_wins(tiny_ll
     assert first["ours"] == pytest.approx(first["reference"], abs=1e-4)
     assert losses[0] == pytest.approx(first["ours"], abs=1e-6)
     assert losses[0] < math.log(VOCAB) - 1.0  # a random init starts at ln(vocab)
-    assert sum(losses[-3:]) / 3 < losses[0]  # and it trains on
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.05  # and it trains on (each step sees other text)
     exported = json.loads((out / "hf" / "config.json").read_text())
     assert exported["model_type"] == "llama" and exported["rms_norm_eps"] == 1e-6  # the checkpoint's numerics
 
-    again = _run(tiny_llama, out, tmp_path, "--max-steps", "10", "--resume")
+    again = _run(tiny_llama, out, tmp_path, "--max-steps", "18", "--resume")
     assert again.returncode == 0, tail(again)
     warning = [line for line in again.stderr.splitlines() if "--init-from" in line and "ignored" in line]
     assert len(warning) == 1 and "the checkpoint resumed holds the trained weights" in warning[0]
     resumed = records(out, "start")[-1]
-    assert resumed["step"] == 8 and resumed["resumed_from"]
-    assert [r["step"] for r in records(out, "train")] == list(range(1, 11))
+    assert resumed["step"] == 16 and resumed["resumed_from"]
+    assert [r["step"] for r in records(out, "train")] == list(range(1, 19))
 
 
 def _dry_run(*flags, home):
