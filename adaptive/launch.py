@@ -140,6 +140,7 @@ def _shell_safe(args: list[str]) -> None:
 def plan_launch(req: LaunchRequest) -> Launch:
     """Plan, write the run folder's configs, and build the commands (nothing is run)."""
     from adaptive.recipe import load_recipe, orchestrator_settings
+    from adaptive.train.init_from import planned_model
 
     recipe = Path(req.recipe)
     config = req.config
@@ -161,7 +162,8 @@ def plan_launch(req: LaunchRequest) -> Launch:
     if not 0 <= req.machine_rank < nodes:
         raise AdaptiveError(f"--machine-rank must be in 0..{nodes - 1}, got {req.machine_rank}")
     par = config.parallelism
-    request = make_request(model=preset, arch=arch, gpu=gpu, gpus=gpus, nodes=nodes,
+    model = planned_model(config.model.init_from, preset, arch)  # --init-from: the checkpoint's shape
+    request = make_request(model=model, arch=arch, gpu=gpu, kernels="lean", gpus=gpus, nodes=nodes,
                            seq_len=config.data.seq_len or 2048, min_seq_len=config.data.min_seq_len,
                            tokens=config.schedule.tokens, zero=par.zero, offload=par.offload,
                            micro_batch=par.micro_batch, grad_accum=par.grad_accum,

@@ -53,7 +53,11 @@ class Recipe:
         return f"{self.model}_{self.arch}"
 
     def resolve(self, config: RunConfig) -> tuple[str, str]:
-        """(preset, arch) of a run: the flags', else the recipe's."""
+        """(preset, arch) of a run: the flags', else the recipe's. With --init-from the checkpoint's config.json is
+        the shape; the preset still names the run folder and the default --lr."""
+        if config.model.init_from and config.model.name:
+            raise AdaptiveError("give --model or --init-from, not both: --init-from takes the shape from its "
+                                "config.json")
         preset = config.model.name or self.model
         if preset not in PRESETS:
             raise AdaptiveError(f"--model {preset!r}: a recipe trains a preset ({', '.join(PRESETS)}); plan an HF "

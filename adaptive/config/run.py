@@ -60,6 +60,13 @@ class ModelOptions:
     arch: str | None = option(
         None, "--arch", commands=SHAPE,
         help="dense | moe | mod | hybrid; default: dense, the config's, or the recipe's own.")
+    init_from: str | None = option(
+        None, "--init-from", commands=RUN,
+        help="Start from a checkpoint folder (config.json + safetensors or pytorch_model.bin): an adaptive export, "
+             "or a transformers Llama, Mistral, Qwen2 or Mixtral. Its config.json is the shape (instead of --model); "
+             "--arch or the recipe's arch the target: a dense checkpoint as moe/hybrid is sparse-upcycled (each "
+             "expert a copy of its FFN), MoE and MoD routers start fresh. Its tokenizer, if any, is used. A --resume "
+             "checkpoint wins over it.")
     capacity_factor: float = option(1.0, "--capacity-factor", commands=ESTIMATE, above=0.0,
                                     help="MoE capacity factor.")
     mod_capacity: float | None = option(None, "--mod-capacity", commands=ESTIMATE, above=0.0, maximum=1.0,

@@ -6,6 +6,7 @@ Pure JSON reading, so users can fit their own models offline without torch or tr
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from adaptive.errors import AdaptiveError, unknown
@@ -57,7 +58,9 @@ def spec_from_hf_config(path: str | Path, arch: str | None = None) -> ModelSpec:
     if model_type not in SUPPORTED_TYPES:
         raise unknown("model_type in config.json", str(model_type), SUPPORTED_TYPES)
     if model_type == "adaptive":
-        return _spec_from_adaptive_config(cfg, p)
+        spec = _spec_from_adaptive_config(cfg, p)
+        # a dense export planned as our MoE/MoD/hybrid variant of it, like a dense HF config below
+        return spec if arch in (None, spec.arch) or spec.is_moe or spec.is_mod else arch_variant(spec, arch)
 
     f = check_fields(cfg, p)
     h, heads, layers = f.hidden_size, f.num_attention_heads, f.num_hidden_layers
@@ -100,18 +103,22 @@ def spec_from_hf_config(path: str | Path, arch: str | None = None) -> ModelSpec:
         return ModelSpec(arch="moe", layer_types=types, num_local_experts=experts, num_experts_per_tok=top_k,
                          moe_intermediate_size=f.moe_intermediate_size or 1408,
                          shared_expert_intermediate_size=f.shared_expert_intermediate_size or 5632, **common)
-    arch = arch or "dense"
+    dense = ModelSpec(arch="dense", layer_types=("dense",) * layers, **common)
+    return arch_variant(dense, arch or "dense")
+
+
+def arch_variant(dense: ModelSpec, arch: str) -> ModelSpec:
+    """A dense shape planned as our `arch` variant of it (MoE experts as wide as its FFN)."""
     if arch not in ARCHS:
         raise unknown("arch", arch, ARCHS)
     if arch == "dense":
-        return ModelSpec(arch="dense", layer_types=("dense",) * layers, **common)
-    # A dense HF shape planned as our MoE/MoD/hybrid variant of it.
+        return dense
     moe = block_type(arch).has_experts
-    return ModelSpec(arch=arch, layer_types=layer_pattern(arch, layers),
-                     num_local_experts=DEFAULT_NUM_EXPERTS if moe else 0,
-                     num_experts_per_tok=DEFAULT_TOP_K if moe else 0,
-                     moe_intermediate_size=common["intermediate_size"] if moe else 0,
-                     mod_capacity=DEFAULT_MOD_CAPACITY if block_type(arch).routed else 1.0, **common)
+    return replace(dense, arch=arch, layer_types=layer_pattern(arch, dense.num_hidden_layers),
+                   num_local_experts=DEFAULT_NUM_EXPERTS if moe else 0,
+                   num_experts_per_tok=DEFAULT_TOP_K if moe else 0,
+                   moe_intermediate_size=dense.intermediate_size if moe else 0,
+                   mod_capacity=DEFAULT_MOD_CAPACITY if block_type(arch).routed else 1.0)
 
 
 def _spec_from_adaptive_config(cfg: dict, path: str) -> ModelSpec:

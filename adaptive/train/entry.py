@@ -134,6 +134,9 @@ def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] 
         if opt.lr is not None:
             set_peak_lr(state, loop, opt.lr)
         logger.info("resumed from %s at step %d", resume_from, state.step)
+        if config.model.init_from:
+            logger.warning("--init-from %s ignored: the checkpoint resumed holds the trained weights",
+                           config.model.init_from)
     metrics.truncate_after(state.step if state.resumed_from else None)
     write_run_files(state, loop)
     metrics.write({"kind": "start", "step": state.step, **plan.summary(),

@@ -33,6 +33,7 @@ from adaptive.config.run import RunConfig
 from adaptive.errors import AdaptiveError, from_validation
 from adaptive.extras import require
 from adaptive.train.callbacks import Knobs
+from adaptive.train.init_from import planned_model
 from adaptive.plan import GPU, Plan, fit, get_gpu, make_request
 from adaptive.plan.ds_config_input import load as load_ds_file, offload_pin, pins
 from adaptive.plan.ds_config_schema import check as check_ds_shape
@@ -182,6 +183,7 @@ class RunPlan:
     max_steps: int
     orchestrator_requested: str
     orchestrator: bool
+    init_from: str | None = None  # the checkpoint folder the weights start from (its config.json is the shape)
 
     @property
     def tokens_per_step(self) -> int:
@@ -220,6 +222,7 @@ class RunPlan:
             "knobs": self.knobs.as_dict(),
             "ds_config_source": {"kind": self.ds_source.kind, "path": self.ds_source.path},
             "max_steps": self.max_steps,
+            "init_from": self.init_from,
             "tokens_per_step": self.tokens_per_step,
             "model_flops_per_token": self.model_flops_per_token,
             "orchestrator": {"requested": self.orchestrator_requested, "enabled": self.orchestrator,
@@ -262,7 +265,8 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
     if tokens is not None and max_steps is not None:
         raise AdaptiveError("give --max-steps or --tokens, not both")
     request = make_request(
-        model=preset, arch=arch, gpu=device.gpu.name if device.gpu else (gpu or NOMINAL_GPU),
+        model=planned_model(config.model.init_from, preset, arch), arch=arch, kernels="lean",  # what recipes train
+        gpu=device.gpu.name if device.gpu else (gpu or NOMINAL_GPU),
         gpus=world.per_node, nodes=world.nodes, seq_len=seq, global_batch_tokens=global_tokens,
         tokens=tokens, zero=zero, offload=offload, micro_batch=micro, grad_accum=accum,
         checkpointing=checkpointing, ep_size=ep_size, checkpoint_policy=policy,
@@ -287,7 +291,7 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
     enabled = requested == "on" or (requested == "auto" and plan.orchestrator.recommended)
     return RunPlan(preset=preset, arch=arch, plan=plan, knobs=knobs, ds_config=cfg, ds_source=source,
                    precision=precision, device=device, world=world, max_steps=max_steps,
-                   orchestrator_requested=requested, orchestrator=enabled)
+                   orchestrator_requested=requested, orchestrator=enabled, init_from=config.model.init_from)
 
 
 def steps_for(max_steps: int | None, tokens: float | None, knobs: Knobs, world_size: int, plan: Plan,

@@ -101,13 +101,14 @@ class Data:
 def load_data(options: DataOptions, seed: int, run: RunPlan, accelerator: Any, model_vocab_size: int) -> Data:
     """Tokenizer and this rank's train/eval data (rank 0 fills the caches first)."""
     from adaptive.train.data import DataConfig, build_datasets
+    from adaptive.train.init_from import tokenizer_folder
     from adaptive.train.tokenizer import load_tokenizer, require_fits_vocab
 
     dataset = resolve_dataset(options.dataset, run.device.kind)
     cfg = DataConfig(dataset=dataset, seq_len=run.knobs.seq_len, seed=seed,
                      dataset_config=options.dataset_config, text_field=options.text_field)
     with accelerator.main_process_first():
-        tokenizer = load_tokenizer(options.tokenizer)
+        tokenizer = load_tokenizer(options.tokenizer or tokenizer_folder(run.init_from))  # the checkpoint's own
         require_fits_vocab(tokenizer, model_vocab_size)
         train, evaluation = build_datasets(cfg, tokenizer, rank=accelerator.process_index,
                                            world_size=accelerator.num_processes)
@@ -126,17 +127,23 @@ def resolve_dataset(flag: str | None, device_kind: str) -> str | None:
 
 
 def build_model(run: RunPlan, tokenizer: Any, seed: int) -> Any:
-    """The preset as `arch`, DeepSpeed MoE (with the plan's ep_size) for MoE layers."""
+    """The preset (or --init-from's checkpoint, weights loaded) as `arch`, DeepSpeed MoE (with the plan's ep_size)
+    for MoE layers."""
     from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
+    from adaptive.train.init_from import load_init_weights, target_config
 
     knobs = run.knobs
-    config = AdaptiveConfig.from_preset(
-        run.preset, arch=run.arch, moe_implementation="deepspeed" if block_type(run.arch).has_experts else "native",
-        ep_size=knobs.ep_size, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    settings = dict(moe_implementation="deepspeed" if block_type(run.arch).has_experts else "native",
+                    ep_size=knobs.ep_size, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id)
+    if run.init_from:
+        config = target_config(run.init_from, run.plan.request.spec, **settings)
+    else:
+        config = AdaptiveConfig.from_preset(run.preset, arch=run.arch, **settings)
     model = AdaptiveForCausalLM._from_config(config, dtype=torch.float32)  # under ZeRO-3: deepspeed.zero.Init
-    if knobs.ep_size > 1 and config.moe_layers:
+    if run.init_from:
+        load_init_weights(model, run.init_from)
+    elif knobs.ep_size > 1 and config.moe_layers:
         reinit_local_experts(model, seed)
     if knobs.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
