@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from adaptive.durable import atomic_write_text
 from adaptive.errors import AdaptiveError
 from adaptive.plan import memory as mem
 from adaptive.plan.advice import OVERHEAD_SOURCE
@@ -267,9 +268,9 @@ def write_plan_files(plan: Plan, out_dir: str | Path) -> dict[str, Path]:
         raise AdaptiveError(f"cannot write the plan files into {str(out)!r}: it is a file, not a folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        ds_path.write_text(json.dumps(ds_config(c.setup, c.grad_accum, plan.request.gpu), indent=2) + "\n")
-        acc_path.write_text(to_yaml(accelerate_config(c.setup, str(ds_path.resolve()))))
-        plan_path.write_text(json.dumps(plan_dict(plan), indent=2) + "\n")
+        atomic_write_text(ds_path, json.dumps(ds_config(c.setup, c.grad_accum, plan.request.gpu), indent=2) + "\n")
+        atomic_write_text(acc_path, to_yaml(accelerate_config(c.setup, str(ds_path.resolve()))))
+        atomic_write_text(plan_path, json.dumps(plan_dict(plan), indent=2) + "\n")
     except OSError as e:  # a file where the folder should be, no permission, a full disk: bad input, not a crash
         raise AdaptiveError(f"cannot write the plan files into {str(out)!r}: {e.strerror or e}") from None
     return {"ds_config": ds_path, "accelerate_config": acc_path, "plan": plan_path}

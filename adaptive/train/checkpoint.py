@@ -354,11 +354,16 @@ def export_hf(accelerator: Any, engine: Any, tokenizer: Any, target: Path, metad
     elif main:
         chosen = export_pretrained(model, tmp, export_format)
     if main:
-        tokenizer.save_pretrained(tmp)
-        metadata = {**metadata, "format": chosen.format, "format_reason": chosen.reason}
-        (tmp / "adaptive_export.json").write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
-        fsync_tree(tmp)
-        replace_dir(tmp, target)
+        try:
+            tokenizer.save_pretrained(tmp)
+            metadata = {**metadata, "format": chosen.format, "format_reason": chosen.reason}
+            (tmp / "adaptive_export.json").write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
+            fsync_tree(tmp)
+            replace_dir(tmp, target)
+        except OSError as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise AdaptiveError(f"the HF export {target} could not be written ({os_reason(err)}); "
+                                "the checkpoints hold the model: fix that and --resume") from None
     accelerator.wait_for_everyone()
     logger.info("HF model exported to %s", target)
     return target

@@ -10,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+from adaptive.durable import fsync_tree, replace_dir, temporary_name
 from adaptive.models.export import ExportFormat
 
 FINAL_EXPORT = "hf"  # the folder of a run's final export (adaptive.train.loop writes it)
@@ -38,16 +39,26 @@ def convert_export(source: Path, export_format: str = "auto", out: Path | None =
     target = Path(out) if out is not None else source.with_name(f"{source.name}-{chosen.format}")
     if target.resolve() == source.resolve():
         raise AdaptiveError(f"--out {str(target)!r} is the source folder; pick another")
-    export_pretrained(model, target, chosen.format)
-    skip = {"config.json", "generation_config.json", "adaptive_export.json"}
-    for file in source.iterdir():
-        if file.is_file() and file.name not in skip and not file.name.endswith((".safetensors", ".json.index")) \
-                and not file.name.startswith("model"):
-            shutil.copy2(file, target / file.name)
-    meta_path = source / "adaptive_export.json"
-    meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.exists() else {}
-    meta.update(format=chosen.format, format_reason=chosen.reason, converted_from=str(source))
-    (target / "adaptive_export.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    if target.exists() and not (target / "adaptive_export.json").is_file():  # replaced whole below: never a stranger
+        raise AdaptiveError(f"--out {str(target)!r} exists and is not an adaptive export; choose a new folder")
+    tmp = temporary_name(target)  # written beside, then swapped in whole: an old `target` survives a failure
+    try:
+        export_pretrained(model, tmp, chosen.format)
+        skip = {"config.json", "generation_config.json", "adaptive_export.json"}
+        for file in source.iterdir():
+            if file.is_file() and file.name not in skip and not file.name.endswith((".safetensors", ".json.index")) \
+                    and not file.name.startswith("model"):
+                shutil.copy2(file, tmp / file.name)
+        meta_path = source / "adaptive_export.json"
+        meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.exists() else {}
+        meta.update(format=chosen.format, format_reason=chosen.reason, converted_from=str(source))
+        (tmp / "adaptive_export.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        fsync_tree(tmp)
+        replace_dir(tmp, target)
+    except OSError as err:
+        raise AdaptiveError(f"cannot write the export to {str(target)!r}: {err.strerror or err}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return target, chosen
 
 

@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from adaptive.durable import atomic_write_text
+from adaptive.errors import AdaptiveError
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -247,10 +248,14 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(_clean(record), default=_json_default) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(_clean(record), default=_json_default) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as err:  # a full or read-only disk: one line, and the checkpoints keep the run
+            raise AdaptiveError(f"{self.path} could not be written ({err.strerror or err}); fix that and --resume") \
+                from None
 
     def truncate_after(self, step: int | None) -> None:
         """On resume: keep the records written before the first one of a later step; what follows is the

@@ -39,3 +39,19 @@ def test_export_refuses_an_impossible_format_in_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.startswith("error: cannot export as llama: Llama has only dense blocks")
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_export_replaces_an_old_conversion_whole_and_never_a_folder_that_is_not_one(tmp_path):
+    tiny_export(tmp_path, "dense")
+    stale = tmp_path / "hf-llama" / "stale.safetensors"
+    assert adaptive("export", str(tmp_path)).returncode == 0
+    stale.write_text("left by an older conversion")
+    assert adaptive("export", str(tmp_path)).returncode == 0
+    assert not stale.exists() and (tmp_path / "hf-llama" / "config.json").exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left beside
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    done = adaptive("export", str(tmp_path), "--out", str(mine))
+    assert done.returncode == 2 and "is not an adaptive export" in done.stderr
+    assert (mine / "notes.txt").read_text() == "keep me"

@@ -8,7 +8,6 @@ above that, and the step's peak, counted by the same storage counter `adaptive m
 import gc
 import json
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -19,9 +18,8 @@ from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
 
 def main() -> None:
     impl, seq, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    # a file rendezvous: no TCP port to race for with tests running beside this one
-    store = tempfile.NamedTemporaryFile(prefix="moe-memory-", delete=False).name
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    # an in-memory store: no TCP port to race for with tests running beside this one, no file left
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if impl == "deepspeed":
         import deepspeed
 

@@ -55,10 +55,12 @@ print(json.dumps({"refused": refused, "was_initialised": was_initialised, "world
 """
 
 
-def test_deepspeed_moe_forward_creates_nothing_and_setup_initialises_one_process():
+def test_deepspeed_moe_forward_creates_nothing_and_setup_initialises_one_process(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-    env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TMPDIR=str(temp))
     code = f"HELPERS = {str(Path(__file__).parent)!r}\n" + SCRIPT
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -69,3 +71,4 @@ def test_deepspeed_moe_forward_creates_nothing_and_setup_initialises_one_process
     assert "initialising a single-process group" in result["log"]
     assert abs(result["losses"][0] - result["first"]) < 1e-5
     assert result["losses"][-1] < result["losses"][0] - 0.1
+    assert not [p for p in temp.iterdir() if p.name.startswith("adaptive-")], "a rendezvous file was left behind"
