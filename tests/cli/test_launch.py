@@ -155,3 +155,19 @@ def test_launch_imports_no_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
                           env=subprocess_env(), timeout=60, cwd=REPO_ROOT)
     assert "HEAVY [] 0" in done.stderr, done.stderr
+
+
+def test_launch_plans_and_launches_the_model_it_was_given(tmp_path):
+    """`launch recipes/b1_mod.py --model debug` once planned debug and then launched b1."""
+    out = launch_json(RECIPE, "--model", "debug", "--gpu", "a100", "--run-dir", str(tmp_path))
+    assert out["preset"] == "debug"
+    command = shlex.split(out["this_node"])
+    assert command[command.index("--model") + 1] == "debug"
+    assert json.loads((tmp_path / "plan.json").read_text())["params_total"] < 10**7
+
+
+@pytest.mark.parametrize("flag", ["--seq-len", "--micro-batch", "--max-steps"])
+def test_launch_refuses_zero_where_a_positive_number_is_needed(flag, tmp_path):
+    done = adaptive("launch", RECIPE, "--gpu", "a100", flag, "0", "--run-dir", str(tmp_path), "--dry-run")
+    assert done.returncode == 2 and flag in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())
