@@ -28,6 +28,7 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
     from adaptive.train import setup
     from adaptive.train.data import check_local_rows
     from adaptive.train.display import configure_logging
+    from adaptive.train.runplan import World, check_with_deepspeed, detect_device, launcher_world, plan_run
 
     out = config.output
     output_dir = run_dir(config, preset, arch)
@@ -36,11 +37,13 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
     check_fresh_start(output_dir, out.resume, out.overwrite)  # every rank, before anything is written
     check_local_rows(config.data.dataset, config.data.text_field)  # a bad row: one line before anything starts
     partial = setup.init_distributed()
-    main_process = partial.is_main_process
-    configure_logging(main_process)
+    configure_logging(partial.is_main_process)
+    world = World(partial.num_processes, min(launcher_world().per_node, partial.num_processes))
+    plan = plan_run(config, preset, arch, world, detect_device(config.hardware.gpu))
+    check_with_deepspeed(plan.ds_config, world.size)  # a config DeepSpeed refuses: one line, nothing written
     lock, resume_from = claim_run_folder(partial, output_dir, out.resume, out.overwrite)
     try:
-        return _train(config, preset, arch, callbacks, plugins, partial, output_dir, resume_from)
+        return _train(config, preset, arch, callbacks, plugins, partial, plan, world, output_dir, resume_from)
     finally:
         if lock is not None:
             lock.release()
@@ -84,7 +87,7 @@ def claim_run_folder(partial: Any, output_dir: Path, resume: str | None,
 
 
 def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | None,
-           plugins: Callable[[], list[Any]] | None, partial: Any, output_dir: Path,
+           plugins: Callable[[], list[Any]] | None, partial: Any, plan: Any, world: Any, output_dir: Path,
            resume_from: Path | None) -> TrainerState:
     from accelerate.logging import get_logger
     from accelerate.utils import set_seed
@@ -92,13 +95,9 @@ def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] 
     from adaptive.train import setup
     from adaptive.train.loop import Loop, LoopSettings, restore, set_peak_lr, train, write_run_files
     from adaptive.train.metrics import MetricsWriter
-    from adaptive.train.runplan import World, check_with_deepspeed, detect_device, launcher_world, plan_run
 
     main_process = partial.is_main_process
     logger = get_logger(__name__)
-    world = World(partial.num_processes, min(launcher_world().per_node, partial.num_processes))
-    plan = plan_run(config, preset, arch, world, detect_device(config.hardware.gpu))
-    check_with_deepspeed(plan.ds_config, world.size)  # before the model is built
     accelerator = setup.make_accelerator(plan)
     setup.quiet_libraries(main_process)
     logger.info("plan: %s %s on %d x %s (%s), knobs %s, DeepSpeed config from %s%s, %d steps of %d tokens",
