@@ -44,7 +44,7 @@ def _base_type(annotation: str) -> type:
 
 
 def _parameter(field: Any, flag: Flag) -> inspect.Parameter:
-    kind = _choice_type(flag) if flag.choices else _base_type(field.type)
+    kind = _choice_type(flag) if flag.choices and not flag.many else _base_type(field.type)
     names = (f"{flag.name}/{flag.negative}", *flag.names[1:]) if flag.negative else flag.names
     info = typer.Option(*names, help=flag.help, rich_help_panel=flag.panel, show_default=field.default is not None)
     return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,

@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from adaptive.errors import AdaptiveError
+from adaptive.errors import AdaptiveError, closest
 
 FIT, LAUNCH, TRAIN, MEASURE, COMPARE = "fit", "launch", "train", "measure", "compare"  # the commands
 PLANNING = frozenset({FIT, LAUNCH, TRAIN})  # the planner's inputs: every command takes them
@@ -35,6 +35,7 @@ class Flag:
     help: str
     commands: frozenset[str]
     choices: tuple[str, ...] | None = None
+    many: bool = False  # the value is a comma-separated list of `choices` ("tensorboard,wandb")
     minimum: float | None = None  # inclusive
     above: float | None = None  # exclusive lower bound
     maximum: float | None = None  # inclusive
@@ -204,8 +205,8 @@ class OutputOptions:
              "there is none.")
     overwrite: bool = option(
         False, "--overwrite", commands=RUN,
-        help="Start a fresh run in an --output-dir that holds one, deleting its metrics, events, checkpoints and "
-             "exports (without it that is refused). launch --dry-run: write the configs over the folder's.")
+        help="Start a fresh run in an --output-dir that holds one, deleting its metrics, events, trackers' logs, "
+             "checkpoints and exports (without it that is refused). launch --dry-run: write the configs over the folder's.")
     log_every: int = option(10, "--log-every", commands=RUN, minimum=1,
                             help="Log line and metrics record every N steps.")
     eval_every: int = option(0, "--eval-every", commands=RUN, minimum=0,
@@ -218,6 +219,12 @@ class OutputOptions:
                                     "OUTPUT_DIR/EXPORT for one now).")
     progress: bool = option(True, "--progress", commands=RUN, negative="--no-progress",
                             help="Show a progress bar.")
+    report_to: str = option(
+        "none", "--report-to", commands=RUN, choices=("tensorboard", "wandb", "mlflow", "trackio", "all", "none"),
+        many=True,
+        help="Experiment trackers, comma-separated: tensorboard, wandb, mlflow, trackio; 'all' (every one installed) "
+             "or 'none' (default). They get metrics.jsonl's numbers, the orchestrator's decisions and the run's "
+             "options; tensorboard and wandb write under OUTPUT_DIR/trackers/.")
 
 
 PANELS = {  # section -> its --help panel
@@ -277,6 +284,13 @@ def run_fields() -> Iterator[tuple[str, dataclasses.Field, Flag]]:
 def check(flag: Flag, value: Any) -> None:
     """One option's value against its rules; AdaptiveError naming the flag, the rule and the value."""
     if value is None or isinstance(value, bool):
+        return
+    if flag.choices is not None and flag.many:
+        for item in str(value).split(","):
+            if item.strip() not in flag.choices:
+                near = closest(item.strip(), flag.choices)
+                raise AdaptiveError(f"{flag.name} takes a comma-separated list of {', '.join(flag.choices)}, got "
+                                    f"{item.strip()!r}" + (f"; did you mean {near}?" if near else ""))
         return
     if flag.choices is not None and value not in flag.choices:
         raise AdaptiveError(f"{flag.name} must be one of {', '.join(flag.choices)}, got {value!r}")

@@ -22,6 +22,11 @@ rollback is a decision). When a run starts, what came after its starting step is
 run in an old folder starts an empty log, and `--resume` keeps the records written before the first
 one of a later step (the decisions after the checkpoint will be made again), marks the resume, and
 counts the kept decisions in the end summary.
+
+Experiment trackers (`--report-to`): each decision is also logged as the scalar
+`orchestrator/<policy>/<action>` = how many times it was taken so far (a resumed run's count goes on
+from the kept ones), at its step. The log reaches the trackers through the loop's contract: the
+`log(values, step)` hook of `TrainerState`, which `EventSummary` hands to `EventLog.open`.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import math
 import time
 from collections import Counter, deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from adaptive.durable import atomic_write_text
 from adaptive.orchestrator.contract import Control, TrainerState
@@ -69,11 +74,14 @@ class EventLog:
         self._counts: dict[str, Counter] = {}
         self._opened = False
         self._pending: list[dict[str, Any]] = []
+        self._log: Callable[[dict[str, float], int], None] | None = None  # the trackers (TrainerState.log)
+        self._pending_log: list[tuple[dict[str, float], int]] = []
 
     def open(self, output_dir: Path | None, enabled: bool, start_step: int | None = None,
-             resumed_from: Path | None = None) -> None:
+             resumed_from: Path | None = None, log: Callable[[dict[str, float], int], None] | None = None) -> None:
         """Where to write (None or disabled: keep decisions in memory only). With `start_step`, the
-        file's records of later steps are removed first (see the module docstring)."""
+        file's records of later steps are removed first (see the module docstring). `log(values, step)`:
+        where the decision counts go for the experiment trackers (main process only)."""
         self.path = Path(output_dir) / EVENTS_FILE if output_dir is not None else None
         self.main = enabled
         self.enabled = enabled and self.path is not None
@@ -85,6 +93,10 @@ class EventLog:
         pending, self._pending = self._pending, []
         for record in pending:
             self._write(record)
+        self._log = log if self.main else None
+        pending_log, self._pending_log = self._pending_log, []
+        for values, step in pending_log:
+            self._track(values, step)
 
     def record(self, step: int, policy: str, action: str, reason: str, signals: dict[str, Any] | None = None,
                before: dict[str, Any] | None = None, after: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -93,6 +105,7 @@ class EventLog:
         self.decisions.append(event)
         self._counts.setdefault(policy, Counter())[action] += 1
         self._write(event)
+        self._track({f"orchestrator/{policy}/{action}": self._counts[policy][action]}, step)
         if self.main and action != "bias_update":  # the routine balancing update is summarised, not logged per step
             logger.info("orchestrator %s at step %d: %s (%s) %s -> %s", policy, step, action, reason,
                         event["before"], event["after"])
@@ -113,6 +126,12 @@ class EventLog:
             kept.append({"kind": "resume", "step": step, "time": time.time(), "checkpoint": str(resumed_from),
                          "dropped": len(records) - len(kept)})
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+
+    def _track(self, values: dict[str, float], step: int) -> None:
+        if not self._opened:
+            self._pending_log.append((values, step))
+        elif self._log is not None:
+            self._log(values, step)
 
     def counts(self) -> dict[str, dict[str, int]]:
         return {p: dict(c) for p, c in self._counts.items()}
@@ -145,7 +164,8 @@ class EventSummary:
         self.policies = policies
 
     def on_train_start(self, state: TrainerState, control: Control) -> None:
-        self.events.open(state.output_dir, state.is_main_process, state.step, state.resumed_from)
+        self.events.open(state.output_dir, state.is_main_process, state.step, state.resumed_from,
+                         log=getattr(state, "log", None))
 
     def on_train_end(self, state: TrainerState, control: Control) -> None:
         details = {p.name: p.summary() for p in self.policies if hasattr(p, "summary")}

@@ -24,7 +24,8 @@ The loop (`adaptive.train.loop.train`) calls these events, in this order:
                     optimizer step on the same samples (blocks); otherwise the error propagates.
 
 Callbacks read `TrainerState` (declared up front; the loop owns it) and ask for actions through
-`Control`; they never call into the loop. Every callback sees the same objects, in list order.
+`Control`; they never call into the loop. `state.log(values, step)` hands scalars to the run's
+experiment trackers (`--report-to`; nothing without any). Every callback sees the same objects, in list order.
 Requests are honoured at fixed points:
 
     skip_step               after the step's last micro-batch: the step's gradients are discarded
@@ -169,6 +170,13 @@ class TrainerState:
     last_checkpoint_step: int | None = None  # the step it holds
     resumed_from: Path | None = None
     world_size: int = 1
+    trackers: Any = None  # the experiment trackers' sink (adaptive.train.trackers.TrackerSink; None: --report-to none)
+
+    def log(self, values: dict[str, float], step: int | None = None) -> None:
+        """Hand scalars to the run's experiment trackers (--report-to) at `step` (default: the steps done);
+        nothing without any. Only the main process's values are logged."""
+        if self.trackers is not None:
+            self.trackers.log(values, self.step if step is None else step)
 
     @property
     def is_main_process(self) -> bool:

@@ -15,6 +15,7 @@ from adaptive.config.run import RunConfig
 from adaptive.errors import AdaptiveError
 from adaptive.train.callbacks import Callback, CallbackList, TrainerState
 from adaptive.train.run_folder import RunLock, check_fresh_start, clear_run
+from adaptive.train.trackers import resolve as resolve_trackers
 
 
 def run_dir(config: RunConfig, preset: str, arch: str) -> Path:
@@ -36,6 +37,7 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
         raise AdaptiveError("--resume continues the run in --output-dir and --overwrite deletes it; give one of them")
     check_fresh_start(output_dir, out.resume, out.overwrite)  # every rank, before anything is written
     check_local_rows(config.data.dataset, config.data.text_field)  # a bad row: one line before anything starts
+    trackers = resolve_trackers(out.report_to)  # an uninstalled tracker: one line, too
     partial = setup.init_distributed()
     configure_logging(partial.is_main_process)
     world = World(partial.num_processes, min(launcher_world().per_node, partial.num_processes))
@@ -43,7 +45,8 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
     check_with_deepspeed(plan.ds_config, world.size)  # a config DeepSpeed refuses: one line, nothing written
     lock, resume_from = claim_run_folder(partial, output_dir, out.resume, out.overwrite)
     try:
-        return _train(config, preset, arch, callbacks, plugins, partial, plan, world, output_dir, resume_from)
+        return _train(config, preset, arch, callbacks, plugins, partial, plan, world, output_dir, resume_from,
+                      trackers)
     finally:
         if lock is not None:
             lock.release()
@@ -88,17 +91,17 @@ def claim_run_folder(partial: Any, output_dir: Path, resume: str | None,
 
 def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | None,
            plugins: Callable[[], list[Any]] | None, partial: Any, plan: Any, world: Any, output_dir: Path,
-           resume_from: Path | None) -> TrainerState:
+           resume_from: Path | None, trackers: list[str]) -> TrainerState:
     from accelerate.logging import get_logger
     from accelerate.utils import set_seed
 
-    from adaptive.train import setup
+    from adaptive.train import setup, trackers as tracking
     from adaptive.train.loop import Loop, LoopSettings, restore, set_peak_lr, train, write_run_files
     from adaptive.train.metrics import MetricsWriter
 
     main_process = partial.is_main_process
     logger = get_logger(__name__)
-    accelerator = setup.make_accelerator(plan)
+    accelerator = setup.make_accelerator(plan, trackers, output_dir)
     setup.quiet_libraries(main_process)
     logger.info("plan: %s %s on %d x %s (%s), knobs %s, DeepSpeed config from %s%s, %d steps of %d tokens",
                 preset, arch, world.size, plan.device.gpu.name if plan.device.gpu else "cpu", plan.precision,
@@ -138,11 +141,17 @@ def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] 
                            config.model.init_from)
     metrics.truncate_after(state.step if state.resumed_from else None)
     write_run_files(state, loop)
-    metrics.write({"kind": "start", "step": state.step, **plan.summary(),
-                   "params_total": plan.plan.counts.total, "params_active": plan.plan.counts.active,
+    counts = {"params_total": plan.plan.counts.total, "params_active": plan.plan.counts.active}
+    metrics.write({"kind": "start", "step": state.step, **plan.summary(), **counts,
                    "resumed_from": str(state.resumed_from) if state.resumed_from else None,
                    "callbacks": [type(c).__name__ for c in chain.callbacks]})
-    train(state, loop)
+    state.trackers = metrics.sink = tracking.start(accelerator, output_dir, {**plan.summary(), **counts}, config.flat(),
+                                                   state.step if state.resumed_from else None)
+    try:
+        train(state, loop)
+    except BaseException:
+        tracking.finish(accelerator)  # the trackers keep what was logged; the error goes on
+        raise
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return state

@@ -41,6 +41,10 @@ metrics.jsonl: one JSON object per line, `kind` says which:
                            in force (seq_len < block_len: each block cut into pieces of seq_len)
   kind "eval": step, time, eval_loss (LM loss, token-weighted), eval_ppl, eval_tokens
   kind "end": step, time, export (path of the final HF folder or null), skipped_steps
+
+With `--report-to`, the writer's sink hands every record to the experiment trackers too: the numbers of
+train, eval and end records as `train/loss`, `train/max_vio/layer_0`, `eval/eval_loss`, ... at the record's
+step (adaptive.train.trackers).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -239,23 +243,28 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends records to metrics.jsonl (main process only; other ranks get a disabled writer)."""
+    """Appends records to metrics.jsonl (main process only; other ranks get a disabled writer). `sink`, when
+    given, gets every record written too (the experiment trackers: adaptive.train.trackers.TrackerSink)."""
 
-    def __init__(self, output_dir: Path, enabled: bool) -> None:
+    def __init__(self, output_dir: Path, enabled: bool, sink: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.path = Path(output_dir) / METRICS_FILE
         self.enabled = enabled
+        self.sink = sink
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        record = _clean(record)
         try:
             with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(_clean(record), default=_json_default) + "\n")
+                f.write(json.dumps(record, default=_json_default) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as err:  # a full or read-only disk: one line, and the checkpoints keep the run
             raise AdaptiveError(f"{self.path} could not be written ({err.strerror or err}); fix that and --resume") \
                 from None
+        if self.sink is not None:
+            self.sink(record)
 
     def truncate_after(self, step: int | None) -> None:
         """On resume: keep the records written before the first one of a later step; what follows is the

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,11 +58,14 @@ def init_distributed() -> Any:
     return PartialState(**({} if torch.cuda.is_available() else {"backend": "gloo"}))
 
 
-def make_accelerator(run: RunPlan) -> Any:
+def make_accelerator(run: RunPlan, trackers: list[str] | None = None, output_dir: Path | None = None) -> Any:
     """An Accelerator on DeepSpeed with the run's config. The loop steps the LR schedule itself, once
-    per optimizer step (accelerate would step it once per process)."""
+    per optimizer step (accelerate would step it once per process). `trackers` (--report-to, resolved) log
+    under `output_dir`/trackers/ (adaptive.train.trackers)."""
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin
+    from accelerate.utils import DeepSpeedPlugin, ProjectConfiguration
+
+    from adaptive.train.trackers import logging_dir
 
     # accelerate refuses a DeepSpeed config next to DeepSpeed fields of an accelerate config file;
     # plan_run has folded those fields into the config, so the check has nothing left to protect.
@@ -69,9 +73,11 @@ def make_accelerator(run: RunPlan) -> Any:
     plugin = DeepSpeedPlugin(hf_ds_config=copy.deepcopy(run.ds_config),
                              zero3_init_flag=run.knobs.zero_stage == 3)
     mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[run.precision]
+    project = {} if output_dir is None else {"project_config": ProjectConfiguration(
+        project_dir=str(output_dir), logging_dir=str(logging_dir(output_dir)))}
     return Accelerator(deepspeed_plugin=plugin, mixed_precision=mixed,
                        gradient_accumulation_steps=run.knobs.gradient_accumulation_steps,
-                       step_scheduler_with_optimizer=False)
+                       step_scheduler_with_optimizer=False, log_with=trackers or None, **project)
 
 
 def quiet_libraries(is_main: bool) -> None:
