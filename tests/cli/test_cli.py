@@ -152,3 +152,27 @@ def test_compare_marks_bests_and_prints_csv_and_json():
     assert max(fitting, key=lambda x: x["tokens_per_second"])["best_speed"]
     out = adaptive("compare", "--model", "b1", "--arch", "dense", "--gpu", "t4", "--csv").stdout
     assert next(csv.DictReader(io.StringIO(out)))["model"] == "b1"
+
+
+def test_compare_says_why_a_row_does_not_fit_in_the_table_json_and_csv():
+    args = ("compare", "--model", "b1,b7", "--arch", "dense,moe", "--gpu", "t4,a100-40gb")
+    rows = {(r["model"], r["arch"], r["gpu"]): r for r in json.loads(adaptive(*args, "--json").stdout)}
+    host = rows["b7", "dense", "a100-40gb"]  # fits the GPU with CPU offload, which needs more RAM than the node has
+    assert (host["fits"], host["fits_gpu"], host["fits_host"], host["why_not"]) == (False, True, False, "host_ram")
+    assert host["host_bytes"] > host["host_capacity_bytes"] and host["why_not_detail"].startswith("host RAM: ")
+    gpu = rows["b7", "moe", "t4-16gb"]
+    assert (gpu["fits_gpu"], gpu["why_not"]) == (False, "gpu_memory") and gpu["peak_gpu_bytes"] > gpu["gpu_capacity_bytes"]
+    assert all(r["why_not"] is None and r["why_not_detail"] == "" for r in rows.values() if r["fits"])
+    table = adaptive(*args).stdout
+    assert "no: host RAM 162/120G" in table and "no: GPU" in table
+    csv_rows = list(csv.DictReader(io.StringIO(adaptive(*args, "--csv").stdout)))
+    assert {r["why_not"] for r in csv_rows} == {"", "host_ram", "gpu_memory"}
+
+
+def test_a_pinned_knob_is_named_as_the_reason():
+    from adaptive.plan import fit, make_request
+    from adaptive.plan.compare import why_not
+
+    kind, text = why_not(fit(make_request(model="b7", gpu="a100-40gb", zero=0), suggest=False))
+    assert kind == "pinned" and text.startswith("GPU memory: ") and text.endswith("with --zero pinned")
+    assert why_not(fit(make_request(model="b1", gpu="a100-80gb"), suggest=False)) == (None, "")
