@@ -136,7 +136,8 @@ class Plan:
 
 def default_global_batch_tokens(active_params: int) -> int:
     """Global batch in tokens by model size: 0.5M tokens at ~1B, 1M at ~7B, 2M from ~14B
-    (the user's documents use 512K for b1 and 1M for b7; Llama 2 used 4M at 70B)."""
+    (the claims we compared against use 512K for b1 and 1M for b7, docs/BENCHMARKS.md; Llama 2 used 4M
+    at 70B)."""
     if active_params < 50e6:
         return 64 * 1024
     if active_params < 500e6:

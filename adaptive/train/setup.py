@@ -24,7 +24,7 @@ from adaptive.plan.blocks import block_type
 from adaptive.train.callbacks import Knobs
 from adaptive.train.runplan import RunPlan
 
-ADAM_BETAS = (0.9, 0.95)  # the user's regime (shared/DESIGN.md)
+ADAM_BETAS = (0.9, 0.95)  # GPT-3's and Llama 2's betas (docs/BENCHMARKS.md, "Claims we compared against")
 ADAM_EPS = 1e-8
 # Peak learning rates by preset: GPT-3 (Brown et al. 2020, table 2.1) uses 6e-4 at 125M-350M and
 # 2e-4-3e-4 at 1-7B; Llama 2 7B 3e-4. The debug model is tiny and trains for a few steps.

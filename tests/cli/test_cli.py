@@ -176,3 +176,11 @@ def test_a_pinned_knob_is_named_as_the_reason():
     kind, text = why_not(fit(make_request(model="b7", gpu="a100-40gb", zero=0), suggest=False))
     assert kind == "pinned" and text.startswith("GPU memory: ") and text.endswith("with --zero pinned")
     assert why_not(fit(make_request(model="b1", gpu="a100-80gb"), suggest=False)) == (None, "")
+
+
+@pytest.mark.parametrize("args", [("fit", "--model", "b1", "--gpu", "a100-80gb"), ("fit", "--model", "b7", "--gpu", "a100"),
+                                  ("fit", "--model", "b7", "--gpu", "a100", "--json"), ("compare", "--json")])
+def test_output_cites_nothing_a_user_does_not_have(args):
+    out = adaptive(*args).stdout.lower()
+    for phrase in ("the documents", "decision guide", "the user's", "shared/", "design.md", "seed figure"):
+        assert phrase not in out, phrase
