@@ -54,6 +54,7 @@ class FitRequest:
     ds_config: DsConfigInput | None = None  # a user's DeepSpeed JSON: buckets, overlap_comm (pins are merged in)
     peak_correction: float = 1.0  # measured/predicted allocated peak of a real run on this GPU (--calibrate RUN_DIR)
     calibrated: tuple[str, ...] = ()  # which figures are calibrated, and from what
+    calibration_source: str | None = None  # --calibrate: "calibration file PATH" or "run folder PATH"
     kernels: str = "lean"  # lean: adaptive's models; plain: transformers' Llama-style ops (activations.py)
     # off | full | selective (the planner picks among SELECTIVE_POLICIES) | a pinned policy (mlp, every:N);
     # None: gradient_checkpointing decides (None there too: the planner tries off, selective, full)

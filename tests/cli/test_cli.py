@@ -69,6 +69,15 @@ def test_out_writes_the_three_files(tmp_path):
     assert r.returncode == 0, r.stderr
     assert {p.name for p in tmp_path.iterdir()} == {"ds_config.json", "accelerate_config.yaml", "plan.json"}
     assert "fp16" in json.loads((tmp_path / "ds_config.json").read_text())
+    assert "Launch: accelerate launch --config_file" in r.stdout
+
+
+def test_out_for_a_plan_that_does_not_fit_writes_only_the_plan_and_no_launch_line(tmp_path):
+    r = adaptive("fit", "--model", "b7", "--gpu", "a100-40gb", "--out", str(tmp_path))
+    assert r.returncode == 1, r.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+    assert json.loads((tmp_path / "plan.json").read_text())["fits"] is False
+    assert "Launch:" not in r.stdout and "Nothing fits, so only plan.json" in r.stdout
 
 
 @pytest.mark.parametrize("args,message", [
@@ -184,3 +193,17 @@ def test_output_cites_nothing_a_user_does_not_have(args):
     out = adaptive(*args).stdout.lower()
     for phrase in ("the documents", "decision guide", "the user's", "shared/", "design.md", "seed figure"):
         assert phrase not in out, phrase
+
+
+def test_fit_with_a_calibration_file_says_it_used_it(tmp_path):
+    from adaptive.plan.calibration import Calibration, signature, to_json
+
+    cal = tmp_path / "cal.json"
+    cal.write_text(to_json(Calibration(signature(preset_spec("debug")), 64, (5000.0, 900.0), (9000.0, 1500.0),
+                                       "test figures")))
+    r = adaptive("fit", "--model", "debug", "--gpu", "a100-80gb", "--calibrate", str(cal))
+    assert r.returncode == 0, r.stderr
+    assert f"Calibrated with calibration file {cal}: activations\n" in r.stdout
+    d = json.loads(adaptive("fit", "--model", "debug", "--gpu", "a100-80gb", "--calibrate", str(cal), "--json").stdout)
+    assert d["calibration_source"] == f"calibration file {cal}" and d["calibrated"][0].startswith("activations")
+    assert json.loads(adaptive("fit", "--model", "debug", "--gpu", "a100-80gb", "--json").stdout)["calibration_source"] is None
