@@ -31,6 +31,7 @@ ADAM_EPS = 1e-8
 DEFAULT_LR = {"debug": 3e-3, "debug_200m": 6e-4, "b1": 3e-4, "b7": 3e-4}
 FALLBACK_LR = 3e-4
 WEIGHT_DECAY = 0.1
+logger = logging.getLogger(__name__)
 
 
 def ensure_process_group_env() -> None:
@@ -52,6 +53,13 @@ def init_distributed() -> Any:
 
     ensure_process_group_env()
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    if not torch.cuda.is_available() and os.environ["RANK"] == "0":
+        from adaptive.engine import shm_comm_op_to_build
+
+        op = shm_comm_op_to_build()
+        if op:  # a silent minute or two otherwise
+            logger.warning("DeepSpeed compiles %s now, once per machine (about 100 s on 2 cores); later runs "
+                           "reuse it", op)
     # Without CUDA, accelerate picks no backend for DeepSpeed and then counts one process per rank;
     # naming gloo makes it read the world from the process group DeepSpeed initialises.
     return PartialState(**({} if torch.cuda.is_available() else {"backend": "gloo"}))
