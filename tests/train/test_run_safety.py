@@ -25,7 +25,7 @@ import pytest
 from adaptive.errors import AdaptiveError
 from adaptive.train import checkpoint as ckpt
 from adaptive.train.run_folder import LOCK_FILE, RunLock, check_fresh_start, clear_run, run_files
-from tests.train._launch import DRIVER, REPO, free_port, launch_env, records, train_losses
+from tests.train._launch import DRIVER, REPO, launch_env, records, train_losses
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
@@ -396,8 +396,7 @@ def test_adaptive_launch_reports_a_recipes_error_in_one_line_without_the_launche
     for step in (run / "checkpoints").glob("step_*"):  # the digests follow, so only the world size differs
         rehash(step)
     done = subprocess.run([sys.executable, "-m", "cli", "launch", str(REPO / "recipes" / "debug_dense.py"), "--gpu",
-                           "a100", "--main-process-port", str(free_port()), "--run-dir", str(run), "--resume", *FLAGS,
-                           "--max-steps", "10"], cwd=REPO,
+                           "a100", "--run-dir", str(run), "--resume", *FLAGS, "--max-steps", "10"], cwd=REPO,
                           env=launch_env(base["home"], ADAPTIVE_CACHE=str(base["home"] / "cache")),
                           capture_output=True, text=True, timeout=300)
     line = one_error_line(done)
