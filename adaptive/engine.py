@@ -18,6 +18,7 @@ What the rest of the code asks of an engine:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 DEEPSPEED_VERSION_READ = "0.19.8"
@@ -43,6 +44,8 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     ("deepspeed.moe.sharded_moe", "MOELayer", "self.time_moe"),
     ("deepspeed.moe.utils", "split_params_into_different_moe_groups_for_optimizer", "param_groups"),
     ("deepspeed.utils.groups", "_get_expert_parallel_rank", "group_name"),
+    ("deepspeed.ops.op_builder.cpu.comm", "ShareMemCommBuilder", "NAME"),
+    ("deepspeed.ops.op_builder.cpu.comm", "ShareMemCommBuilder", "absolute_name"),
 )
 
 # The classes, besides tensors and plain containers, that a DeepSpeed + accelerate checkpoint pickles
@@ -70,6 +73,22 @@ def checkpoint_classes() -> list[Any]:
     numpy_rng = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),
                  getattr(getattr(np, "_core", None) or np.core, "multiarray")._reconstruct]
     return [getattr(importlib.import_module(m), name) for m, name in CHECKPOINT_CLASSES] + numpy_rng
+
+
+def shm_comm_op_to_build() -> str | None:
+    """On a CPU, DeepSpeed's process-group init compiles its shared-memory comm op the first time on a machine
+    (`deepspeed.comm.torch.build_shm_op`, a torch JIT extension) and says nothing until it is built. The op's
+    name when that build is still to come (no compiled module in torch's extension folder), else None."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return None
+    folder = _get_build_directory(builder.NAME, verbose=False)
+    built = any(name.startswith(builder.NAME) and name.endswith(".so") for name in os.listdir(folder))
+    return None if built else builder.absolute_name()
 
 
 # --- the engine ---------------------------------------------------------------------------------

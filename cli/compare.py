@@ -19,6 +19,15 @@ def _split(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def _why_not(d: dict) -> str:
+    """The row's reason, short enough for a table cell (the full sentence is `why_not_detail` in --json/--csv)."""
+    if d["why_not"] is None:
+        return ""
+    if d["fits_gpu"]:
+        return f"host RAM {d['host_bytes'] / 2**30:.0f}/{d['host_capacity_bytes'] / 2**30:.0f}G"
+    return "GPU" + (" (pinned)" if d["why_not"] == "pinned" else "")
+
+
 @with_run_options(COMPARE)
 def compare(
     config: RunConfig,
@@ -46,19 +55,25 @@ def compare(
 
     from cli.render import console, duration, gib, human
 
-    t = Table(title="Comparison (estimated; each plan as `adaptive fit` would choose it)", box=box.SIMPLE_HEAD)
+    t = Table(title="Comparison (estimated; each plan as `adaptive fit` would choose it)", box=box.SIMPLE_HEAD,
+              collapse_padding=True)
     for col in ("model", "arch", "gpu", "fits", "plan", "peak", "tokens/s", "time", "cost", "$/1B tok", "best"):
-        t.add_column(col, justify="right" if col in ("peak", "tokens/s", "time", "cost", "$/1B tok") else "left")
+        t.add_column(col, justify="right" if col in ("peak", "tokens/s", "time", "cost", "$/1B tok") else "left",
+                     no_wrap=col in ("fits", "plan"))
     for d in dicts:
         off = "" if d["offload"] == "none" else f" off:{d['offload']}"
         plan = (f"Z{d['zero_stage']}{off} mb{d['micro_batch_size']}x{d['gradient_accumulation_steps']}"
                 f"{' ckpt' if d['gradient_checkpointing'] else ''} s{d['seq_len']}")
         best = " ".join(n for n, k in (("quality", "best_quality"), ("speed", "best_speed"), ("cost", "best_cost"))
                         if d[k])
-        t.add_row(d["model"], d["arch"], f"{d['num_gpus']}x{d['gpu']}", "yes" if d["fits"] else "[red]no[/red]",
+        t.add_row(d["model"], d["arch"], f"{d['num_gpus']}x{d['gpu']}", "yes" if d["fits"] else f"[red]no[/red]: {_why_not(d)}",
                   plan, gib(d["peak_gpu_bytes"]), human(d["tokens_per_second"]),
                   duration(d["train_hours"]) if d["fits"] else "-", f"${d['cost_usd']:,.0f}" if d["fits"] else "-",
                   f"${d['cost_per_1b_tokens_usd']:,.2f}" if d["fits"] else "-", best)
     console.print(t)
+    if not all(d["fits"] for d in dicts):
+        console.print("no: GPU = even the smallest peak exceeds the GPU's memory; no: host RAM = it fits the GPU only "
+                      "with CPU offload, which needs more host RAM per node than it has (needed/available; --json and "
+                      "--csv say it in why_not, why_not_detail).")
     console.print(f"Token budget: {'given' if tokens else '20 x active params per model (Chinchilla)'}. "
                   "best quality = most active params that fit; speed = most tokens/s; cost = lowest $ per 1B tokens.")

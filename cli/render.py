@@ -125,6 +125,9 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
             console.print(f"{req.ds_config.path}: {PART_LABELS.get(part, part)} {gib(n)} <- {why}", soft_wrap=True)
         for key in req.ds_config.ignored:
             console.print(f"{req.ds_config.path}: not modelled: {key}", soft_wrap=True)
+    if req.calibration_source:  # what --calibrate changed, in one line, then each figure with its source
+        what = ", ".join(note.split(" (")[0] for note in req.calibrated)
+        console.print(f"Calibrated with {req.calibration_source}: {what}", soft_wrap=True)
     for note in req.calibrated:
         console.print(f"Calibrated: {note}", soft_wrap=True)
     if c.memory.host_bytes_per_node:
@@ -166,6 +169,10 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
             console.print(f"  - {sug}")
     if files:
         console.print("Wrote " + ", ".join(str(f) for f in files.values()), soft_wrap=True)
+    if files and not p.fits:
+        console.print("Nothing fits, so only plan.json (the closest configuration and what would fit): no DeepSpeed "
+                      "or accelerate config to launch a run that would not fit.")
+    elif files:
         console.print(f"Launch: accelerate launch --config_file {files['accelerate_config']} recipes/<recipe>.py "
                       f"--ds-config {files['ds_config']}", soft_wrap=True)  # one line, to copy
 

@@ -59,3 +59,15 @@ def test_only_the_engine_module_touches_deepspeed_internals():
     offenders = [f"{path.relative_to(root)}: {name}" for path in root.rglob("*.py") if path.name != "engine.py"
                  for name in private if name in path.read_text()]
     assert not offenders, offenders
+
+
+def test_a_cpu_run_is_told_before_deepspeed_compiles_its_shm_comm_op(tmp_path, monkeypatch):
+    """The first CPU run on a machine compiles DeepSpeed's shm comm op silently; the run logs a line first."""
+    from adaptive.engine import shm_comm_op_to_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert shm_comm_op_to_build() == "deepspeed.ops.comm.deepspeed_shm_comm_op"
+    folders = list(tmp_path.rglob("deepspeed_shm_comm"))
+    assert len(folders) == 1  # torch's build folder for the op, where the compiled module lands
+    (folders[0] / "deepspeed_shm_comm.so").write_bytes(b"")
+    assert shm_comm_op_to_build() is None

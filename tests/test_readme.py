@@ -1,8 +1,13 @@
-"""README's quickstart holds exactly two set-up commands, and CI runs the test command verbatim."""
+"""README's quickstart holds exactly two set-up commands, and CI runs the test command verbatim; the sample output
+is what the command prints; every example command runs and exits as the README says."""
 
+import json
 import re
+import shlex
+import subprocess
+import sys
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, subprocess_env
 
 
 def quickstart_commands() -> list[str]:
@@ -23,3 +28,85 @@ def test_quickstart_has_two_commands_fit_and_tests():
 def test_ci_runs_the_readme_test_command():
     ci = (REPO_ROOT / ".ci" / "run").read_text()
     assert quickstart_commands()[1] in ci.splitlines()
+
+
+# --- every example command in the README runs as documented ---------------------------------------------------------
+
+SAMPLE_BLOCK = re.compile(r"```console\n\$ (adaptive [^\n]*)\n(.*?)\n```", flags=re.S)
+TRAINING_COMMANDS = ("measure", "report")  # they need the training install: here checked through --help
+
+
+def readme_text() -> str:
+    return (REPO_ROOT / "README.md").read_text()
+
+
+def example_lines(prefix: str) -> list[str]:
+    """Lines of the README's bash blocks that start with `prefix`, outside the Quickstart (tested above);
+    a line ending in backslash is joined with the next."""
+    text = readme_text()
+    quick = text.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)\n```", text.replace(quick, ""), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.startswith(prefix):
+                lines.append(line)
+    return lines
+
+
+def split_comment(line: str) -> tuple[list[str], int]:
+    """The command's arguments and its documented exit code (a comment saying `exits N`, else 0)."""
+    command, _, comment = line.partition("#")
+    exits = re.search(r"\bexits (\d)", comment)
+    return shlex.split(command), int(exits.group(1)) if exits else 0
+
+
+def test_the_sample_output_is_what_the_command_prints():
+    (command, shown), = SAMPLE_BLOCK.findall(readme_text())
+    done = subprocess.run([sys.executable, "-m", "cli", *shlex.split(command)[1:]], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120, cwd=REPO_ROOT)
+    assert done.returncode == 1, done.stderr  # as the README says under the sample
+    printed = "\n".join(line.rstrip() for line in done.stdout.rstrip("\n").splitlines())
+    assert printed == shown, "README's sample is out of date: paste the command's output again"
+
+
+def test_every_adaptive_command_in_the_readme_exits_as_documented(tmp_path, monkeypatch, capsys):
+    from cli.main import run
+
+    lines = example_lines("adaptive ")
+    assert len(lines) >= 12 and {split_comment(line)[0][1] for line in lines} >= {
+        "fit", "compare", "models", "gpus", "launch", "export", "measure", "report"}
+    monkeypatch.chdir(tmp_path)  # runs/, plans/ and the hostfile land here
+    (tmp_path / "recipes").symlink_to(REPO_ROOT / "recipes")
+    (tmp_path / "hosts").write_text("node-a slots=8\nnode-b slots=8\n")
+    for line in lines:
+        args, exits = split_comment(line)
+        args = args[1:]
+        if args[0] in TRAINING_COMMANDS:
+            args = [args[0], "--help"]
+        elif args[0] == "launch" and "--dry-run" not in args:
+            args.append("--dry-run")  # plan, write and print the command; start nothing
+        assert run(args) == exits, (line, capsys.readouterr())
+        capsys.readouterr()
+
+
+def test_every_training_command_in_the_readme_names_a_recipe_and_valid_flags():
+    from adaptive.config.commandline import parse
+    from adaptive.config.run import TRAIN
+
+    lines = example_lines("accelerate launch") + example_lines("python recipes/")
+    assert len(lines) >= 6
+    for line in lines:
+        args, _ = split_comment(line)
+        recipe = next(a for a in args if a.startswith("recipes/") and a.endswith(".py"))
+        assert (REPO_ROOT / recipe).is_file(), line
+        flags = [a for a in args[args.index(recipe) + 1:] if a != "--dry-run"]  # --dry-run: the recipe's own
+        parse(TRAIN, flags)  # every flag exists and its value is valid
+
+
+def test_a_recipes_dry_run_in_the_readme_prints_its_plan():
+    line, = example_lines("python recipes/")
+    args, exits = split_comment(line)
+    done = subprocess.run([sys.executable, *args[1:]], capture_output=True, text=True, env=subprocess_env(),
+                          timeout=300, cwd=REPO_ROOT)
+    assert done.returncode == exits, done.stderr
+    assert json.loads(done.stdout)["plan"]["fits"] is True

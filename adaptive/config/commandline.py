@@ -26,6 +26,7 @@ from adaptive.config.run import Flag, RunConfig, options_for, run_fields
 from adaptive.errors import AdaptiveError
 
 _CHOICES: dict[tuple[str, ...], type[Enum]] = {}
+MAX_CHOICES_SHOWN = 13  # characters of "a|b|c" shown as the metavar; longer lists are in the help text
 
 
 def _choice_type(flag: Flag) -> type[Enum]:
@@ -46,7 +47,10 @@ def _base_type(annotation: str) -> type:
 def _parameter(field: Any, flag: Flag) -> inspect.Parameter:
     kind = _choice_type(flag) if flag.choices and not flag.many else _base_type(field.type)
     names = (f"{flag.name}/{flag.negative}", *flag.names[1:]) if flag.negative else flag.names
-    info = typer.Option(*names, help=flag.help, rich_help_panel=flag.panel, show_default=field.default is not None)
+    # a long list of choices is shown as <name> (the help lists them): at 80 columns rich would cut option names
+    metavar = f"<{flag.name.strip('-')}>" if flag.choices and len("|".join(flag.choices)) > MAX_CHOICES_SHOWN else None
+    info = typer.Option(*names, help=flag.help, rich_help_panel=flag.panel, show_default=field.default is not None,
+                        metavar=metavar)
     return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
                              annotation=Annotated[Optional[kind], info])
 

@@ -140,7 +140,7 @@ class ParallelismOptions:
     zero: int | None = option(None, "--zero", commands=SHAPE, minimum=0, maximum=3,
                               help="Pin the ZeRO stage (0-3).")
     offload: str | None = option(None, "--offload", commands=PLANNING, choices=("none", "optimizer", "all"),
-                                 help="Pin CPU offload.")
+                                 help="Pin CPU offload: none, optimizer (its states) or all (and the parameters).")
     micro_batch: int | None = option(None, "--micro-batch", commands=SHAPE, minimum=1,
                                      help="Pin the micro-batch per GPU.")
     grad_accum: int | None = option(None, "--grad-accum", commands=PLANNING, minimum=1,
@@ -185,9 +185,8 @@ class OrchestratorOptions:
                                help="Adaptive orchestrator: auto follows the plan's recommendation.")
     orchestrator_policies: str | None = option(
         None, "--orchestrator-policies", commands=RUN,
-        help="Comma-separated policies the orchestrator runs (the names in adaptive/orchestrator/registry.py: "
-             "balance, capacity, oom, guard, ep, early_stop, ...); 'all' (default) or 'none' (monitor and event "
-             "log only).")
+        help="Comma-separated policies the orchestrator runs (balance, capacity, oom, guard, ep, early_stop, or "
+             "any other in its registry); 'all' (default) or 'none' (monitor and event log only).")
     orchestrator_config: str | None = option(
         None, "--orchestrator-config", commands=RUN,
         help="Policy settings as a JSON object or file, e.g. '{\"balance\": {\"rate\": 0.001}}' (fields: the "

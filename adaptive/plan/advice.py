@@ -1,10 +1,10 @@
-"""Should the adaptive orchestrator run? The user's decision guide, made explicit.
+"""Should the adaptive orchestrator run? A usage rule, made explicit.
 
-Their guide (shared/DESIGN.md): use it for runs longer than a week, models of 70B or more, more
-than 8 GPUs, or MoE and other dynamic routing; avoid it for quick experiments, models under 7B, a
-single GPU, and debugging. Where the guide contradicts itself (a small MoE on one GPU), routing
-wins: expert balancing is the one policy that changes the result, and our measured overhead
-(docs/BENCHMARKS.md, bench/bench_orchestrator.py) is far below the guide's 3-8% small-scale cost.
+The rule (docs/BENCHMARKS.md, "Claims we compared against"): use it for runs longer than a week, models
+of 70B or more, more than 8 GPUs, or MoE and other dynamic routing; avoid it for quick experiments,
+models under 7B, a single GPU, and debugging. Where the rule contradicts itself (a small MoE on one
+GPU), routing wins: expert balancing is the one policy that changes the result, and our measured
+overhead (docs/BENCHMARKS.md, bench/bench_orchestrator.py) is far below the claimed 3-8% small-scale cost.
 """
 
 from __future__ import annotations
@@ -42,10 +42,9 @@ class OrchestratorAdvice:
 
     @property
     def overhead(self) -> str:
-        """Our measured overhead against the documents' claim for small runs."""
+        """Our measured overhead, and where it is measured."""
         return (f"measured overhead +{100 * self.overhead_time_fraction:.1f}% step time, "
-                f"+{self.overhead_memory_bytes / 2**20:.1f} MiB (the documents claim 3-8% and 200-600 MB at "
-                f"small scale; {OVERHEAD_SOURCE})")
+                f"+{self.overhead_memory_bytes / 2**20:.1f} MiB ({OVERHEAD_SOURCE})")
 
 
 def orchestrator_advice(spec: ModelSpec, counts: ParamCounts, num_gpus: int, hours: float) -> OrchestratorAdvice:

@@ -1,4 +1,4 @@
-"""The honest version of the user's comparison tables: one plan per model x arch x GPU."""
+"""One plan per model x arch x GPU, side by side, each with the reason when it does not fit."""
 
 from __future__ import annotations
 
@@ -26,16 +26,55 @@ def compare(models: list[str], archs: list[str], gpu_names: list[str], **request
     return [Row(p, p is quality, p is speed, p is cost) for p in plans]
 
 
+# the knobs a request can pin, as (FitRequest field, flag)
+_PINS = (("zero_stage", "--zero"), ("offload", "--offload"), ("micro_batch_size", "--micro-batch"),
+         ("grad_accum", "--grad-accum"), ("gradient_checkpointing", "--checkpointing"),
+         ("checkpointing", "--checkpoint-policy"), ("ep_size", "--ep-size"))
+
+
+def pinned_flags(plan: Plan) -> list[str]:
+    """The knobs the request pinned (the planner searched only the rest)."""
+    return [flag for name, flag in _PINS if getattr(plan.request, name) is not None]
+
+
+def why_not(plan: Plan) -> tuple[str | None, str]:
+    """Why a plan does not fit: (`gpu_memory` | `host_ram` | `pinned` | None, one line saying it with the figures).
+
+    The closest configuration tells: when one fits the GPU, host RAM for its CPU offload is what is
+    short; otherwise the smallest peak exceeds the GPU. `pinned` says the limit met is one of pinned knobs
+    (the planner could not try the others)."""
+    if plan.fits:
+        return None, ""
+    c, gib = plan.closest, 2**30
+    if c.fits_gpu:
+        kind = "host_ram"
+        text = (f"host RAM: CPU offload needs {c.memory.host_bytes_per_node / gib:.1f} GiB per node, "
+                f"{plan.host_mem_bytes / gib:.1f} GiB available (--host-mem)")
+    else:
+        kind = "gpu_memory"
+        text = (f"GPU memory: the smallest peak is {c.memory.peak_gpu_bytes / gib:.1f} GiB, "
+                f"the GPU has {plan.request.gpu.memory_bytes / gib:.1f} GiB")
+    pins = pinned_flags(plan)
+    if pins:
+        return "pinned", f"{text}, with {', '.join(pins)} pinned"
+    return kind, text
+
+
 def row_dict(row: Row) -> dict:
     p = row.plan
     c = p.shown
     s = c.setup
+    why, why_text = why_not(p)
     return {
         "model": p.request.spec.name,
         "arch": p.request.spec.arch,
         "gpu": p.request.gpu.name,
         "num_gpus": p.request.world_size,
         "fits": p.fits,
+        "fits_gpu": c.fits_gpu,
+        "fits_host": c.fits_host,
+        "why_not": why,  # gpu_memory | host_ram | pinned; None when it fits
+        "why_not_detail": why_text,
         "params_total": p.counts.total,
         "params_active": p.counts.active,
         "zero_stage": s.zero_stage,
@@ -45,6 +84,9 @@ def row_dict(row: Row) -> dict:
         "seq_len": s.seq_len,
         "gradient_checkpointing": s.gradient_checkpointing,
         "peak_gpu_bytes": c.memory.peak_gpu_bytes,
+        "gpu_capacity_bytes": p.request.gpu.memory_bytes,
+        "host_bytes": c.memory.host_bytes_per_node,
+        "host_capacity_bytes": p.host_mem_bytes,
         "tokens_per_second": c.throughput.tokens_per_second,
         "train_tokens": p.train_tokens,
         "train_hours": p.hours,

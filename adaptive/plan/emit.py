@@ -214,6 +214,7 @@ def plan_dict(plan: Plan) -> dict:
         "tight_margin": TIGHT_MARGIN,
         "tight_decided_by": plan.tight_part,
         "calibrated": list(req.calibrated),
+        "calibration_source": req.calibration_source,
         "ds_config": ds_config_dict(plan),
     }
     return out
@@ -258,7 +259,9 @@ def assumptions(plan: Plan) -> dict:
 
 
 def write_plan_files(plan: Plan, out_dir: str | Path) -> dict[str, Path]:
-    """ds_config.json, accelerate_config.yaml and plan.json in `out_dir`; returns their paths."""
+    """ds_config.json, accelerate_config.yaml and plan.json in `out_dir`; returns their paths. A plan that does
+    not fit gets plan.json alone (the closest configuration and what would fit): configs to launch a run that
+    would not fit are not written."""
     out = Path(out_dir)
     c = plan.shown
     ds_path = out / "ds_config.json"
@@ -268,9 +271,11 @@ def write_plan_files(plan: Plan, out_dir: str | Path) -> dict[str, Path]:
         raise AdaptiveError(f"cannot write the plan files into {str(out)!r}: it is a file, not a folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(plan_path, json.dumps(plan_dict(plan), indent=2) + "\n")
+        if not plan.fits:
+            return {"plan": plan_path}
         atomic_write_text(ds_path, json.dumps(ds_config(c.setup, c.grad_accum, plan.request.gpu), indent=2) + "\n")
         atomic_write_text(acc_path, to_yaml(accelerate_config(c.setup, str(ds_path.resolve()))))
-        atomic_write_text(plan_path, json.dumps(plan_dict(plan), indent=2) + "\n")
     except OSError as e:  # a file where the folder should be, no permission, a full disk: bad input, not a crash
         raise AdaptiveError(f"cannot write the plan files into {str(out)!r}: {e.strerror or e}") from None
     return {"ds_config": ds_path, "accelerate_config": acc_path, "plan": plan_path}

@@ -54,6 +54,7 @@ class FitRequest:
     ds_config: DsConfigInput | None = None  # a user's DeepSpeed JSON: buckets, overlap_comm (pins are merged in)
     peak_correction: float = 1.0  # measured/predicted allocated peak of a real run on this GPU (--calibrate RUN_DIR)
     calibrated: tuple[str, ...] = ()  # which figures are calibrated, and from what
+    calibration_source: str | None = None  # --calibrate: "calibration file PATH" or "run folder PATH"
     kernels: str = "lean"  # lean: adaptive's models; plain: transformers' Llama-style ops (activations.py)
     # off | full | selective (the planner picks among SELECTIVE_POLICIES) | a pinned policy (mlp, every:N);
     # None: gradient_checkpointing decides (None there too: the planner tries off, selective, full)
@@ -136,7 +137,8 @@ class Plan:
 
 def default_global_batch_tokens(active_params: int) -> int:
     """Global batch in tokens by model size: 0.5M tokens at ~1B, 1M at ~7B, 2M from ~14B
-    (the user's documents use 512K for b1 and 1M for b7; Llama 2 used 4M at 70B)."""
+    (the claims we compared against use 512K for b1 and 1M for b7, docs/BENCHMARKS.md; Llama 2 used 4M
+    at 70B)."""
     if active_params < 50e6:
         return 64 * 1024
     if active_params < 500e6:

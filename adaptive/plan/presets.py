@@ -62,8 +62,8 @@ PRESETS: dict[str, Shape] = {
     )
 }
 
-# Architecture defaults (shared/DESIGN.md): MoE = 8 experts, top-2, every layer;
-# MoD = every other block routed (the first block never is), capacity 0.5 as in the user's documents
+# Architecture defaults (docs/BENCHMARKS.md, "Claims we compared against"): MoE = 8 experts, top-2, every layer;
+# MoD = every other block routed (the first block never is), capacity 0.5 as in those claims
 # (Raposo et al. report 0.125 as their best).
 DEFAULT_NUM_EXPERTS = 8
 DEFAULT_TOP_K = 2

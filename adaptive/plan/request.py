@@ -67,8 +67,9 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         merged = merge_ds_pins(ds, zero=zero, offload=offload, micro_batch=micro_batch, grad_accum=grad_accum,
                                optimizer=optimizer, global_batch_tokens=global_batch_tokens, seq_len=seq_len)
         zero, offload, micro_batch, grad_accum, optimizer, global_batch_tokens = merged
-    activations, run = None, None
+    activations, run, source = None, None, None
     if calibrate:
+        source = f"{'run folder' if Path(calibrate).is_dir() else 'calibration file'} {calibrate}"
         if Path(calibrate).is_dir():  # a run folder: its metrics, and its activation calibration file if any
             run = load_run(calibrate)
             cal_file = Path(calibrate) / CALIBRATION_FILE
@@ -87,6 +88,7 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         calibrated=(f"activations (measured at seq {activations.seq_len}: {activations.method})",) if activations else (),
         kernels=kernels or default_kernels(spec),
         checkpointing=checkpoint_policy,
+        calibration_source=source,
     )
     return calibrate_with_run(request, run) if run is not None else request
 

@@ -25,13 +25,14 @@ from adaptive.plan.blocks import block_type
 from adaptive.train.callbacks import Knobs
 from adaptive.train.runplan import RunPlan
 
-ADAM_BETAS = (0.9, 0.95)  # the user's regime (shared/DESIGN.md)
+ADAM_BETAS = (0.9, 0.95)  # GPT-3's and Llama 2's betas (docs/BENCHMARKS.md, "Claims we compared against")
 ADAM_EPS = 1e-8
 # Peak learning rates by preset: GPT-3 (Brown et al. 2020, table 2.1) uses 6e-4 at 125M-350M and
 # 2e-4-3e-4 at 1-7B; Llama 2 7B 3e-4. The debug model is tiny and trains for a few steps.
 DEFAULT_LR = {"debug": 3e-3, "debug_200m": 6e-4, "b1": 3e-4, "b7": 3e-4}
 FALLBACK_LR = 3e-4
 WEIGHT_DECAY = 0.1
+logger = logging.getLogger(__name__)
 
 
 def ensure_process_group_env() -> None:
@@ -53,6 +54,13 @@ def init_distributed() -> Any:
 
     ensure_process_group_env()
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    if not torch.cuda.is_available() and os.environ["RANK"] == "0":
+        from adaptive.engine import shm_comm_op_to_build
+
+        op = shm_comm_op_to_build()
+        if op:  # a silent minute or two otherwise
+            logger.warning("DeepSpeed compiles %s now, once per machine (about 100 s on 2 cores); later runs "
+                           "reuse it", op)
     # Without CUDA, accelerate picks no backend for DeepSpeed and then counts one process per rank;
     # naming gloo makes it read the world from the process group DeepSpeed initialises.
     return PartialState(**({} if torch.cuda.is_available() else {"backend": "gloo"}))

@@ -69,6 +69,15 @@ def test_out_writes_the_three_files(tmp_path):
     assert r.returncode == 0, r.stderr
     assert {p.name for p in tmp_path.iterdir()} == {"ds_config.json", "accelerate_config.yaml", "plan.json"}
     assert "fp16" in json.loads((tmp_path / "ds_config.json").read_text())
+    assert "Launch: accelerate launch --config_file" in r.stdout
+
+
+def test_out_for_a_plan_that_does_not_fit_writes_only_the_plan_and_no_launch_line(tmp_path):
+    r = adaptive("fit", "--model", "b7", "--gpu", "a100-40gb", "--out", str(tmp_path))
+    assert r.returncode == 1, r.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+    assert json.loads((tmp_path / "plan.json").read_text())["fits"] is False
+    assert "Launch:" not in r.stdout and "Nothing fits, so only plan.json" in r.stdout
 
 
 @pytest.mark.parametrize("args,message", [
@@ -152,3 +161,49 @@ def test_compare_marks_bests_and_prints_csv_and_json():
     assert max(fitting, key=lambda x: x["tokens_per_second"])["best_speed"]
     out = adaptive("compare", "--model", "b1", "--arch", "dense", "--gpu", "t4", "--csv").stdout
     assert next(csv.DictReader(io.StringIO(out)))["model"] == "b1"
+
+
+def test_compare_says_why_a_row_does_not_fit_in_the_table_json_and_csv():
+    args = ("compare", "--model", "b1,b7", "--arch", "dense,moe", "--gpu", "t4,a100-40gb")
+    rows = {(r["model"], r["arch"], r["gpu"]): r for r in json.loads(adaptive(*args, "--json").stdout)}
+    host = rows["b7", "dense", "a100-40gb"]  # fits the GPU with CPU offload, which needs more RAM than the node has
+    assert (host["fits"], host["fits_gpu"], host["fits_host"], host["why_not"]) == (False, True, False, "host_ram")
+    assert host["host_bytes"] > host["host_capacity_bytes"] and host["why_not_detail"].startswith("host RAM: ")
+    gpu = rows["b7", "moe", "t4-16gb"]
+    assert (gpu["fits_gpu"], gpu["why_not"]) == (False, "gpu_memory") and gpu["peak_gpu_bytes"] > gpu["gpu_capacity_bytes"]
+    assert all(r["why_not"] is None and r["why_not_detail"] == "" for r in rows.values() if r["fits"])
+    table = adaptive(*args).stdout
+    assert "no: host RAM 162/120G" in table and "no: GPU" in table
+    csv_rows = list(csv.DictReader(io.StringIO(adaptive(*args, "--csv").stdout)))
+    assert {r["why_not"] for r in csv_rows} == {"", "host_ram", "gpu_memory"}
+
+
+def test_a_pinned_knob_is_named_as_the_reason():
+    from adaptive.plan import fit, make_request
+    from adaptive.plan.compare import why_not
+
+    kind, text = why_not(fit(make_request(model="b7", gpu="a100-40gb", zero=0), suggest=False))
+    assert kind == "pinned" and text.startswith("GPU memory: ") and text.endswith("with --zero pinned")
+    assert why_not(fit(make_request(model="b1", gpu="a100-80gb"), suggest=False)) == (None, "")
+
+
+@pytest.mark.parametrize("args", [("fit", "--model", "b1", "--gpu", "a100-80gb"), ("fit", "--model", "b7", "--gpu", "a100"),
+                                  ("fit", "--model", "b7", "--gpu", "a100", "--json"), ("compare", "--json")])
+def test_output_cites_nothing_a_user_does_not_have(args):
+    out = adaptive(*args).stdout.lower()
+    for phrase in ("the documents", "decision guide", "the user's", "shared/", "design.md", "seed figure"):
+        assert phrase not in out, phrase
+
+
+def test_fit_with_a_calibration_file_says_it_used_it(tmp_path):
+    from adaptive.plan.calibration import Calibration, signature, to_json
+
+    cal = tmp_path / "cal.json"
+    cal.write_text(to_json(Calibration(signature(preset_spec("debug")), 64, (5000.0, 900.0), (9000.0, 1500.0),
+                                       "test figures")))
+    r = adaptive("fit", "--model", "debug", "--gpu", "a100-80gb", "--calibrate", str(cal))
+    assert r.returncode == 0, r.stderr
+    assert f"Calibrated with calibration file {cal}: activations\n" in r.stdout
+    d = json.loads(adaptive("fit", "--model", "debug", "--gpu", "a100-80gb", "--calibrate", str(cal), "--json").stdout)
+    assert d["calibration_source"] == f"calibration file {cal}" and d["calibrated"][0].startswith("activations")
+    assert json.loads(adaptive("fit", "--model", "debug", "--gpu", "a100-80gb", "--json").stdout)["calibration_source"] is None

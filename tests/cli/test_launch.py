@@ -65,7 +65,7 @@ def test_several_nodes_get_one_accelerate_command_each(tmp_path):
     assert acc["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard"
 
 
-def test_a_hostfile_uses_deepspeeds_launcher_as_accelerate_builds_it(tmp_path):
+def test_a_hostfile_uses_deepspeeds_launcher_as_accelerate_builds_it(tmp_path, monkeypatch):
     hosts = tmp_path / "hostfile"
     hosts.write_text("# two nodes\nnode-a slots=8\nnode-b slots=8\n")
     run = tmp_path / "run"
@@ -74,8 +74,12 @@ def test_a_hostfile_uses_deepspeeds_launcher_as_accelerate_builds_it(tmp_path):
     assert out["launcher"] == "multi-node (DeepSpeed launcher, pdsh)" and len(out["commands"]) == 1
     # what accelerate's own launcher makes of our accelerate config: the same deepspeed command
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import launch as accelerate_launch
     from accelerate.utils.launch import prepare_deepspeed_cmd_env
 
+    # accelerate refuses a busy main port on the main node; this test builds the command and starts nothing,
+    # so it must not depend on port 29500 being free on the test machine
+    monkeypatch.setattr(accelerate_launch, "is_port_in_use", lambda port=None: False)
     command = shlex.split(out["commands"][0])
     args = launch_command_parser().parse_args(command[2:])
     args, defaults, _ = _validate_launch_command(args)

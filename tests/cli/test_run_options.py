@@ -97,3 +97,20 @@ def test_to_argv_gives_back_the_same_configuration():
                            "--orchestrator-config", '{"guard": {"bad_steps": 2}}', "--no-progress"])
     assert parse(TRAIN, to_argv(config, TRAIN)) == config
     assert to_argv(RunConfig(), TRAIN) == []  # defaults are not written out
+
+
+@pytest.mark.parametrize("command", ["fit", "launch", "measure", "compare", "export", "report", "models", "gpus"])
+def test_help_at_80_columns_shows_every_option_name_whole(command, monkeypatch, capsys):
+    import typer
+
+    from cli.main import app, run
+
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.delenv("TERMINAL_WIDTH", raising=False)
+    assert run([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and max(len(line) for line in out.splitlines()) <= 80
+    click_command = typer.main.get_command(app).commands[command]
+    names = [n for p in click_command.params for n in (*p.opts, *p.secondary_opts) if n.startswith("--")]
+    whole = [name for name in names if re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", out)]
+    assert names and whole == names, set(names) - set(whole)

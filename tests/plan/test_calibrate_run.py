@@ -89,6 +89,7 @@ def test_fit_says_which_figures_are_calibrated(gpu_run):
                          capture_output=True, text=True, env=subprocess_env(), timeout=120)
     assert out.returncode == 0, out.stderr
     assert "Calibrated: hardware utilisation" in out.stdout and "Calibrated: peak memory x1.250" in out.stdout
+    assert f"Calibrated with run folder {run}: hardware utilisation " in out.stdout
 
 
 def test_a_cpu_run_and_a_run_on_another_gpu_are_refused(real_run, gpu_run, tmp_path):
