@@ -48,7 +48,9 @@ def _parameter(field: Any, flag: Flag) -> inspect.Parameter:
     kind = _choice_type(flag) if flag.choices and not flag.many else _base_type(field.type)
     names = (f"{flag.name}/{flag.negative}", *flag.names[1:]) if flag.negative else flag.names
     # a long list of choices is shown as <name> (the help lists them): at 80 columns rich would cut option names
-    metavar = f"<{flag.name.strip('-')}>" if flag.choices and len("|".join(flag.choices)) > MAX_CHOICES_SHOWN else None
+    metavar = None
+    if flag.choices and len("|".join(flag.choices)) > MAX_CHOICES_SHOWN:
+        metavar = "<list>" if flag.many else f"<{flag.name.strip('-')}>"
     info = typer.Option(*names, help=flag.help, rich_help_panel=flag.panel, show_default=field.default is not None,
                         metavar=metavar)
     return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
