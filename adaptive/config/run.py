@@ -124,7 +124,7 @@ class DataOptions:
     data_workers: int | None = option(
         None, "--data-workers", commands=RUN, minimum=0,
         help="Processes per GPU that read, tokenize and pack streamed data (0: the training process); default 1 "
-             "on a CPU, 4 on a GPU. Local files are tokenized once up front and need none. Keep it on --resume.")
+             "on a CPU, 2 on a GPU. Local files are tokenized once up front and need none. Keep it on --resume.")
 
 
 @dataclass(frozen=True)

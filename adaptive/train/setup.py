@@ -32,7 +32,7 @@ ADAM_EPS = 1e-8
 DEFAULT_LR = {"debug": 3e-3, "debug_200m": 6e-4, "b1": 3e-4, "b7": 3e-4}
 FALLBACK_LR = 3e-4
 WEIGHT_DECAY = 0.1
-DATA_WORKERS_GPU = 4  # streamed data: loader processes per GPU (docs/BENCHMARKS.md, data loader)
+DATA_WORKERS_GPU = 2  # streamed data: loader processes per GPU; one keeps ~7x ahead of b1 on an H100 (docs/BENCHMARKS.md)
 
 logger = get_logger(__name__)
 
