@@ -5,7 +5,7 @@ and the loader's tokens/s against what b1 trains on an H100.
     PYTHONPATH=. python bench/bench_data_resume.py --quick         # smoke run
 
 The data: a local jsonl corpus in 4 shards (the shipped Devil's Dictionary, its paragraphs shuffled and
-numbered, repeated to about 12M tokens of the built-in tokenizer), loaded with `streaming=True` as C4 is;
+numbered, repeated to about 37 MB of text at seq 512), loaded with `streaming=True` as C4 is;
 so it times tokenizing and packing, not a download (the old approach also re-downloaded what it skipped).
 
 Prints:
