@@ -122,6 +122,10 @@ class DataOptions:
                              help="The text column of json/parquet/hub data.")
     tokenizer: str | None = option(None, "--tokenizer", commands=RUN,
                                    help="Hub name or local folder; default: the built-in byte-level BPE (2048).")
+    data_workers: int | None = option(
+        None, "--data-workers", commands=RUN, minimum=0,
+        help="Processes per GPU that read, tokenize and pack streamed data (0: the training process); default 1 "
+             "on a CPU, 2 on a GPU. Local files are tokenized once up front and need none. Keep it on --resume.")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ Layout under `<output-dir>/checkpoints/`:
         scheduler.bin               LR schedule (accelerate)
         random_states_<rank>.pkl    RNG states per process (accelerate)
         trainer_state.json          step, tokens, each rank's data position, knobs in force, LR scale
+        data_state_<rank>.json      each rank's data position and streaming loader state (JSON)
         COMPLETE.json               written last: every file above with its size and SHA-256
     latest                          the name of the newest complete checkpoint (text)
     .tmp-step_00000050/             a checkpoint being written (or left by a crash): never read
@@ -131,10 +132,10 @@ def verify(folder: Path) -> str | None:
 
 
 def save_checkpoint(accelerator: Any, output_dir: Path, step: int, trainer_state: dict[str, Any],
-                    keep: int) -> Path:
-    """Save the full training state as `checkpoints/step_<step>`, atomically. All ranks call it. A write
-    that fails (a full or read-only disk) removes its partial folder and raises one line naming the newest
-    complete checkpoint."""
+                    keep: int, rank_files: dict[str, str] | None = None) -> Path:
+    """Save the full training state as `checkpoints/step_<step>`, atomically. All ranks call it; each writes
+    its own `rank_files` (name: text) into the folder. A write that fails (a full or read-only disk) removes
+    its partial folder and raises one line naming the newest complete checkpoint."""
     root = Path(output_dir) / CHECKPOINTS
     name = checkpoint_name(step)
     tmp, final = root / f".tmp-{name}", root / name
@@ -146,6 +147,9 @@ def save_checkpoint(accelerator: Any, output_dir: Path, step: int, trainer_state
                 shutil.rmtree(stale, ignore_errors=True)
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp))
+        for file_name, text in (rank_files or {}).items():
+            tmp.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(tmp / file_name, text)
         if accelerator.is_main_process:
             atomic_write_text(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=2) + "\n")
         accelerator.wait_for_everyone()
@@ -253,6 +257,28 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     bad = [k for k, kind in required.items() if not isinstance(saved, dict) or not isinstance(saved.get(k), kind)]
     if bad:
         raise AdaptiveError(f"{file} lacks or mistypes {', '.join(bad)}; resume from another checkpoint")
+    return saved
+
+
+def data_state_file(rank: int) -> str:
+    return f"data_state_{rank}.json"
+
+
+def read_data_state(path: Path, rank: int, position: int) -> dict[str, Any] | None:
+    """This rank's data state (JSON: position, loader workers, loader state), or None for a checkpoint that has
+    none (written before loader states were saved: map-style data resume from trainer_state's position alone)."""
+    file = Path(path) / data_state_file(rank)
+    if not file.exists():
+        return None
+    try:
+        saved = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise AdaptiveError(f"{file} is not readable JSON ({type(err).__name__}); resume from another checkpoint") \
+            from None
+    if not isinstance(saved, dict) or saved.get("position") != position or \
+            not isinstance(saved.get("loader"), (dict, type(None))):
+        raise AdaptiveError(f"{file} does not hold this rank's data state at sample {position} (trainer_state.json's); "
+                            "resume from another checkpoint")
     return saved
 
 
@@ -370,6 +396,6 @@ def export_hf(accelerator: Any, engine: Any, tokenizer: Any, target: Path, metad
 
 
 __all__ = ["CHECKPOINTS", "LATEST", "MANIFEST", "TRAINER_STATE", "atomic_write_text", "checkpoint_name",
-           "checkpoint_step", "complete_checkpoints", "export_hf", "find_checkpoint", "fsync_tree", "is_complete",
-           "load_checkpoint", "os_reason", "prune_checkpoints", "read_latest", "read_trainer_state",
-           "save_checkpoint", "tensors_only", "unsafe_pickles", "verify"]
+           "checkpoint_step", "complete_checkpoints", "data_state_file", "export_hf", "find_checkpoint", "fsync_tree",
+           "is_complete", "load_checkpoint", "os_reason", "prune_checkpoints", "read_data_state", "read_latest",
+           "read_trainer_state", "save_checkpoint", "tensors_only", "unsafe_pickles", "verify"]

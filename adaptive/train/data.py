@@ -7,11 +7,15 @@ Two paths share one contract:
   the stream is cut into blocks of `seq_len` (only the last partial block is dropped). The last
   blocks are held out for eval. Any sample is reachable in O(1), so resuming is free.
 * **Streaming** (hub datasets, C4 by default; local files with `streaming=True`). Documents are
-  shuffled with a buffer, split across ranks with `datasets.distributed.split_dataset_by_node`,
-  then tokenized and packed on the fly per rank. Resuming at sample i re-reads and re-tokenizes
-  the first i blocks of this rank's stream and throws them away: the cost is the data-loading part
-  of the steps being skipped (no model compute), dominated by download and tokenization, so it grows
-  with the position resumed at.
+  split across ranks with `datasets.distributed.split_dataset_by_node`, read in windows of
+  `shuffle_buffer` documents, each window permuted by a generator seeded by (seed, epoch, window,
+  worker), then tokenized and packed on the fly, in `workers` processes per rank (torchdata's
+  `StatefulDataLoader`, `adaptive.train.loader`; the shards of a rank are dealt to its workers).
+  The stream's position is a small state: where the current window starts (`datasets`'
+  `IterableDataset.state_dict()`), the next document in it, and the tokens not yet in a block.
+  Resuming loads it, re-reads one window (no tokenizing) and continues: the cost does not grow with
+  the position (`datasets` itself skips to a position inside a shard by whole Arrow tables, reading
+  at most that shard up to the position; nothing skipped is tokenized).
 
 The sample order, for a rank, is a pure function of (data, seed, rank, world_size):
 
@@ -21,17 +25,23 @@ The sample order, for a rank, is a pure function of (data, seed, rank, world_siz
   has a fresh deterministic order. The split does not depend on world_size, so the global order is
   the same on any number of ranks (a resume on another world size continues it when the global
   sample count divides evenly).
-* Streaming: the order `datasets` gives for the shuffle seed `seed + epoch`, this rank's part.
+* Streaming: this rank's documents in the order `datasets` gives for epoch e (shards reordered per
+  epoch), each window permuted as above, each worker packing its own shards; the loader takes one
+  block from each worker in turn. So the order depends on the number of workers too: keep
+  `--data-workers` on `--resume`.
 
-Resume contract: a rank that has consumed i samples (i = step * micro_batch_size * accumulation
-when those stay fixed; better, the `position` the loop saved) continues with `batches(train, b,
-start_sample=i)` or `SampleIterator(train, start=i)` and gets exactly the samples an
-uninterrupted iterator would have given from i on, in the same micro-batches.
+Resume contract: `SampleIterator.state_dict()` (after `commit()`) is JSON: the rank-local `position`
+(samples consumed) and, when streaming, the loader's state. `SampleIterator(train, start=position,
+state=that dict)` gives exactly the samples an uninterrupted iterator would have given from there on,
+in the same micro-batches. Map-style data need only the position (any sample is reachable in O(1));
+streaming data need the state.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
+import json
 import logging
 import os
 import socket
@@ -39,7 +49,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 from urllib.parse import urlparse
 
 import numpy as np
@@ -77,7 +87,11 @@ class DataConfig:
     txt_sample_by: how .txt files are cut into documents (EOS goes after each): "paragraph"
         (blank-line separated), "line" or "document" (the whole file).
     streaming: None picks streaming for hub datasets and map-style for local files.
+    shuffle_buffer: documents per shuffled window on the streaming path (a resume re-reads one window).
     cache_dir: the `datasets` cache (None: its default, ~/.cache/huggingface/datasets).
+    workers: streaming only: processes per rank that read, tokenize and pack (0: the training
+        process itself); at most the rank's shard count. Map-style data are tokenized up front.
+    pin_memory: the loader hands over page-locked batches (CUDA).
     """
 
     dataset: str | None
@@ -93,6 +107,8 @@ class DataConfig:
     shuffle_buffer: int = 10_000
     cache_dir: str | None = None
     num_proc: int | None = None
+    workers: int = 0
+    pin_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.seq_len < 2:
@@ -103,6 +119,8 @@ class DataConfig:
             raise AdaptiveError(f"max_eval_blocks must be positive, got {self.max_eval_blocks}")
         if self.shuffle_buffer < 1:
             raise AdaptiveError(f"shuffle_buffer must be positive, got {self.shuffle_buffer}")
+        if self.workers < 0:
+            raise AdaptiveError(f"workers must be >= 0, got {self.workers}")
         if self.txt_sample_by not in ("line", "paragraph", "document"):
             raise AdaptiveError(f"txt_sample_by must be line, paragraph or document, got {self.txt_sample_by!r}")
 
@@ -290,6 +308,12 @@ def _encode(tokenizer: PreTrainedTokenizerFast, texts: list[str | None]) -> list
     return [enc.ids + [eos] for enc in tokenizer.backend_tokenizer.encode_batch(keep, add_special_tokens=False)]
 
 
+def _encode_each(tokenizer: PreTrainedTokenizerFast, texts: list[str | None]) -> list[list[int]]:
+    """Like `_encode`, one entry per document: [] for a blank one (so positions stay aligned)."""
+    kept = iter(_encode(tokenizer, texts))
+    return [next(kept) if t and not t.isspace() else [] for t in texts]
+
+
 def tokenize_to_array(texts: datasets.Dataset, tokenizer: PreTrainedTokenizerFast, num_proc: int | None = None) -> np.ndarray:
     """All documents of a map-style text dataset as one token stream (uint16 when the vocab fits)."""
     import datasets
@@ -380,9 +404,11 @@ class PackedDataset:
 class StreamingPackedDataset:
     """One rank's packed blocks from a streamed text dataset (already split by node).
 
-    `blocks(start)` yields this rank's blocks from block `start` on; training streams repeat with
-    epoch e reshuffled by `datasets` with seed + e; eval streams make one pass of at most
-    `max_blocks` blocks.
+    `stream(state)` yields (block, state after it) from a saved state on (None: the start); the state
+    is small and JSON (see the module docstring). Training streams repeat, epoch e reordered by
+    `datasets` (set_epoch) and each window permuted; eval streams make one pass, in order, of at most
+    `max_blocks` blocks (`blocks()`). `adaptive.train.loader` runs training streams in worker
+    processes.
     """
 
     def __init__(
@@ -394,43 +420,69 @@ class StreamingPackedDataset:
         label: str,
         repeat: bool,
         max_blocks: int | None = None,
+        seed: int = 0,
+        window: int = 1,
+        shuffle: bool = False,
+        workers: int = 0,
+        pin_memory: bool = False,
     ) -> None:
         self.texts, self.tokenizer, self.seq_len, self.label = texts, tokenizer, seq_len, label
         self.repeat, self.max_blocks = repeat, max_blocks
+        self.seed, self.window, self.shuffle = seed, window, shuffle
+        self.workers, self.pin_memory = workers, pin_memory
 
     def documents(self, epoch: int = 0) -> Iterator[str]:
-        """This rank's documents for one epoch, in order."""
-        self.texts.set_epoch(epoch)
-        for row in self.texts:
-            yield row["text"]
+        """This rank's documents for one epoch, in the order they are packed (with no loader workers)."""
+        for _, docs, _ in self._windows(epoch, None, 0, 0):
+            yield from docs
 
-    def _token_chunks(self, epoch: int) -> Iterator[list[int]]:
-        docs = self.documents(epoch)
-        while batch := list(itertools.islice(docs, _ENCODE_BATCH)):
-            yield from _encode(self.tokenizer, batch)
+    def _windows(self, epoch: int, texts_state: dict[str, Any] | None, window: int,
+                 worker: int) -> Iterator[tuple[int, list[str | None], dict[str, Any]]]:
+        """(window index, its documents in packing order, the `datasets` state after them) from the window
+        that starts at `texts_state` (None: the epoch's start) on."""
+        texts = copy.deepcopy(self.texts)  # set_epoch / load_state_dict must not leak into other streams
+        texts.set_epoch(epoch)
+        if texts_state is not None:
+            texts.load_state_dict(texts_state)
+        rows = iter(texts)
+        while docs := [row["text"] for row in itertools.islice(rows, self.window)]:
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch, window, worker]).permutation(len(docs))
+                docs = [docs[i] for i in order]
+            yield window, docs, texts.state_dict()
+            window += 1
 
-    def blocks(self, start: int = 0) -> Iterator[np.ndarray]:
-        """Blocks from index `start` on; skipping reads and tokenizes the skipped text (no shortcut)."""
-        buffer: list[int] = []
-        produced = 0
-        epoch = 0
+    def stream(self, state: dict[str, Any] | None = None, worker: int = 0) -> Iterator[tuple[np.ndarray, dict[str, Any]]]:
+        """(block, the state after it), from `state` on. Resuming re-reads the current window's
+        documents (at most `window` of them) and tokenizes only those not yet packed."""
+        s = state or {"epoch": 0, "window": 0, "texts": None, "doc": 0, "carry": [], "blocks": 0}
+        epoch, window, texts_state, doc, produced = s["epoch"], s["window"], s["texts"], s["doc"], s["blocks"]
+        buffer = list(s["carry"])
         while True:
             seen_tokens = 0
-            for ids in self._token_chunks(epoch):
-                seen_tokens += len(ids)
-                buffer.extend(ids)
-                while len(buffer) >= self.seq_len:
-                    block, buffer = buffer[: self.seq_len], buffer[self.seq_len :]
-                    if produced >= start:
-                        yield np.asarray(block, dtype=np.int64)
-                    produced += 1
-                    if self.max_blocks is not None and produced >= self.max_blocks:
-                        return
+            for window, docs, texts_after in self._windows(epoch, texts_state, window, worker):
+                for lo in range(doc, len(docs), _ENCODE_BATCH):
+                    for offset, ids in enumerate(_encode_each(self.tokenizer, docs[lo:lo + _ENCODE_BATCH])):
+                        seen_tokens += len(ids)
+                        buffer.extend(ids)
+                        while len(buffer) >= self.seq_len:
+                            block, buffer = buffer[: self.seq_len], buffer[self.seq_len:]
+                            produced += 1
+                            yield np.asarray(block, dtype=np.int64), {
+                                "epoch": epoch, "window": window, "texts": texts_state, "doc": lo + offset + 1,
+                                "carry": list(buffer), "blocks": produced}
+                            if self.max_blocks is not None and produced >= self.max_blocks:
+                                return
+                doc, texts_state = 0, texts_after
             if produced == 0 and epoch == 0:  # otherwise a repeating stream would spin forever
                 raise _too_small(self.label, seen_tokens, self.seq_len, " (on this rank)")
             if not self.repeat:
                 return
-            epoch += 1
+            epoch, window, doc, texts_state = epoch + 1, 0, 0, None
+
+    def blocks(self) -> Iterator[np.ndarray]:
+        """The blocks from the start, in order (eval streams; training goes through `adaptive.train.loader`)."""
+        return (block for block, _ in self.stream())
 
 
 TrainData = Union[PackedDataset, StreamingPackedDataset]
@@ -477,13 +529,24 @@ def _build_streaming(cfg: DataConfig, source: DataSource, tokenizer, rank: int, 
         train_texts = train_texts.filter(lambda row: not _held_out(row["text"], every))
     else:
         eval_texts = load_text_dataset(cfg, cfg.eval_split, streaming=True)
-    # Same seed on every rank, so all ranks agree on the shard order before taking their part.
-    train_texts = train_texts.shuffle(seed=cfg.seed, buffer_size=cfg.shuffle_buffer)
+    # No `datasets` shuffle buffer: its contents are not part of its state_dict, so a resume would
+    # not continue the same order. The training stream permutes windows of documents itself.
+    shards = train_texts.num_shards
     train_texts = split_dataset_by_node(train_texts, rank=rank, world_size=world_size)
     eval_texts = split_dataset_by_node(eval_texts, rank=rank, world_size=world_size)
+    # split_dataset_by_node hands each rank whole shards when they divide evenly, else every
+    # world_size-th document of all of them; the loader deals a rank's shards to its workers.
+    rank_shards = shards // world_size if shards % world_size == 0 else shards
+    workers = min(cfg.workers, rank_shards)
+    if workers < cfg.workers:
+        logger.warning("data %s: %d loader workers asked for, %d used: each reads whole shards and this rank has %d",
+                       source.label, cfg.workers, workers, rank_shards)
     per_rank_eval = max(1, cfg.max_eval_blocks // world_size)
-    logger.info("data %s: streaming, rank %d of %d, eval up to %d blocks per rank", source.label, rank, world_size, per_rank_eval)
-    train = StreamingPackedDataset(train_texts, tokenizer, seq_len=cfg.seq_len, label=source.label, repeat=True)
+    logger.info("data %s: streaming, rank %d of %d, %d loader worker(s), eval up to %d blocks per rank",
+                source.label, rank, world_size, workers, per_rank_eval)
+    train = StreamingPackedDataset(train_texts, tokenizer, seq_len=cfg.seq_len, label=source.label, repeat=True,
+                                   seed=cfg.seed, window=cfg.shuffle_buffer, shuffle=True, workers=workers,
+                                   pin_memory=cfg.pin_memory)
     evaluation = StreamingPackedDataset(
         eval_texts, tokenizer, seq_len=cfg.seq_len, label=f"{source.label} (eval)", repeat=False, max_blocks=per_rank_eval
     )
@@ -512,28 +575,35 @@ def build_datasets(
 # Batches
 
 
-def _as_batch(blocks: list[np.ndarray]) -> dict[str, torch.Tensor]:
-    import torch
-
-    input_ids = torch.from_numpy(np.stack(blocks).astype(np.int64))
-    # Labels are the inputs: HF causal-LM models shift them by one inside. A separate tensor, so the
-    # loop may mask labels in place without touching the inputs.
-    return {"input_ids": input_ids, "labels": input_ids.clone()}
-
-
 class SampleIterator:
     """This rank's training samples from `start` on, in micro-batches of any size.
 
-    `position` is the rank-local index of the next sample: save it in checkpoints and pass it back
-    as `start` to resume. The micro-batch size may change between calls (the OOM ladder does this)
-    without changing which samples come next.
+    `position` is the rank-local index of the next sample. The micro-batch size may change between
+    calls (the OOM ladder does this) without changing which samples come next. Streaming data come
+    from a `StatefulDataLoader` (worker processes; `adaptive.train.loader`).
+
+    Checkpointing: `commit()` marks the samples drawn so far as consumed (the loop calls it when a
+    step completes; a retried step reuses the batch it drew once), and `state_dict()` is the JSON
+    state as of the last commit: pass it back as `state` (with `start` = its position) to resume.
     """
 
-    def __init__(self, data: TrainData, start: int = 0) -> None:
+    def __init__(self, data: TrainData, start: int = 0, state: dict[str, Any] | None = None) -> None:
         if start < 0:
             raise AdaptiveError(f"start sample must be >= 0, got {start}")
         self.data, self.position = data, start
-        self._stream = data.blocks(start) if isinstance(data, StreamingPackedDataset) else None
+        self._loader = self._stream = None
+        loader_state = None
+        if isinstance(data, StreamingPackedDataset):
+            from adaptive.train.loader import stateful_loader
+
+            loader_state = _check_loader_state(data, start, state)
+            self._loader = stateful_loader(data, loader_state)
+            self._stream = iter(self._loader)
+        self._drawn = self._committed = self._state(loader_state)
+
+    def _state(self, loader_state: dict[str, Any] | None) -> dict[str, Any]:
+        workers = self.data.workers if self._loader is not None else None
+        return {"position": self.position, "workers": workers, "loader": loader_state}
 
     def next_batch(self, micro_batch_size: int) -> dict[str, torch.Tensor]:
         if micro_batch_size < 1:
@@ -543,15 +613,49 @@ class SampleIterator:
         else:
             blocks = [self.data[i] for i in range(self.position, self.position + micro_batch_size)]
         self.position += micro_batch_size
+        # the loader's state right after this batch was drawn (a copy: JSON round trip, so it stays JSON)
+        self._drawn = self._state(json.loads(json.dumps(self._loader.state_dict())) if self._loader is not None else None)
         return _as_batch(blocks)
 
+    def commit(self) -> None:
+        """The samples drawn so far are consumed: `state_dict()` moves past them."""
+        self._committed = self._drawn
 
-def batches(train: TrainData, micro_batch_size: int, start_sample: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    def state_dict(self) -> dict[str, Any]:
+        return self._committed
+
+
+def _check_loader_state(data: StreamingPackedDataset, start: int, state: dict[str, Any] | None) -> dict[str, Any] | None:
+    loader_state = (state or {}).get("loader")
+    if loader_state is None:
+        if start:
+            raise AdaptiveError(f"resuming streamed data at sample {start} needs the loader state a checkpoint saves "
+                                "(data_state_<rank>.json), and there is none; resume from a checkpoint that has it")
+        return None
+    if state.get("position") != start or state.get("workers") != data.workers:
+        raise AdaptiveError(f"the saved data state is at sample {state.get('position')} with {state.get('workers')} "
+                            f"loader worker(s), this run at sample {start} with {data.workers}: resume with "
+                            f"--data-workers {state.get('workers')} (the sample order depends on it)")
+    return loader_state
+
+
+def _as_batch(blocks: list[np.ndarray] | list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    import torch
+
+    input_ids = torch.stack([torch.as_tensor(b) for b in blocks]).to(torch.int64)
+    # Labels are the inputs: HF causal-LM models shift them by one inside. A separate tensor, so the
+    # loop may mask labels in place without touching the inputs.
+    return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+
+def batches(train: TrainData, micro_batch_size: int, start_sample: int = 0,
+            state: dict[str, Any] | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Endless training micro-batches {"input_ids", "labels"}: LongTensor [micro_batch_size, seq_len].
 
-    Starts at this rank's sample `start_sample` (see the resume contract in the module docstring).
+    Starts at this rank's sample `start_sample`; streaming data past the start also need the
+    `state` a `SampleIterator` saved there (see the resume contract in the module docstring).
     """
-    samples = SampleIterator(train, start_sample)
+    samples = SampleIterator(train, start_sample, state)
     while True:
         yield samples.next_batch(micro_batch_size)
 

@@ -78,6 +78,8 @@ class Loop:
     lr_scheduler: Any  # the transformers LambdaLR (accelerate wraps it in state.scheduler)
     last_eval_step: int = -1
     stop_signal: threading.Event = field(default_factory=threading.Event)
+    samples: SampleIterator | None = None  # what train() draws from; its committed state goes into checkpoints
+    data_state: dict[str, Any] | None = None  # this rank's data state read by restore(), for the next SampleIterator
 
 
 @dataclass
@@ -98,7 +100,7 @@ class Requests:
 def train(state: TrainerState, loop: Loop) -> TrainerState:
     """Train from `state.step` to `state.max_steps`, then checkpoint, evaluate and export."""
     control = Control()
-    samples = SampleIterator(loop.data.train, state.samples_seen)
+    samples = loop.samples = SampleIterator(loop.data.train, state.samples_seen, loop.data_state)
     meter = IntervalMeter(loop.device)
     state.model.train()
     loop.callbacks.on_train_start(state, control)
@@ -114,7 +116,7 @@ def train(state: TrainerState, loop: Loop) -> TrainerState:
             maybe_export(state, loop, requests.export)
             if requests.rollback:
                 rollback(state, loop)
-                samples = SampleIterator(loop.data.train, state.samples_seen)
+                samples = loop.samples = SampleIterator(loop.data.train, state.samples_seen, loop.data_state)
                 meter = IntervalMeter(loop.device)  # the rolled-back steps' partial interval is void
             if control.lr_scale is not None:  # after a rollback, which restores the checkpoint's scale
                 set_lr_scale(state, loop, control.lr_scale)
@@ -227,9 +229,10 @@ def cut_blocks(step_batch: dict[str, torch.Tensor], knobs: Knobs) -> dict[str, t
 
 
 def commit_step(state: TrainerState, samples: SampleIterator) -> None:
-    """The step is done: count it and commit the data position."""
+    """The step is done: count it and commit the data position (and the loader state after the step's batch)."""
     state.step += 1
     state.tokens_seen += state.tokens_per_step
+    samples.commit()
     state.samples_seen = samples.position
     state.micro_step = 0
     state.attempt = 0
@@ -315,8 +318,12 @@ def save(state: TrainerState, control: Control, loop: Loop) -> Path:
         "max_steps": state.max_steps, "world_size": state.world_size,
         "callbacks": loop.callbacks.state_dict(),  # e.g. the capacity factor the orchestrator set
     }
+    # each rank's data state (its position, and the streaming loader's state), as of the last committed step
+    data_state = loop.samples.state_dict() if loop.samples is not None else \
+        {"position": state.samples_seen, "workers": None, "loader": None}
+    rank_files = {ckpt.data_state_file(state.accelerator.process_index): json.dumps(data_state) + "\n"}
     path = ckpt.save_checkpoint(state.accelerator, state.output_dir, state.step, trainer_state,
-                                loop.settings.keep_checkpoints)
+                                loop.settings.keep_checkpoints, rank_files=rank_files)
     state.last_checkpoint, state.last_checkpoint_step = path, state.step
     loop.callbacks.on_checkpoint(state, control, path=path)
     return path
@@ -491,6 +498,7 @@ def restore(state: TrainerState, loop: Loop, path: Path) -> None:
     state.step, state.tokens_seen = saved["step"], saved["tokens_seen"]
     state.skipped_steps, state.lr_scale = saved["skipped_steps"], saved["lr_scale"]
     state.samples_seen = saved["samples_seen"][state.accelerator.process_index]
+    loop.data_state = ckpt.read_data_state(path, state.accelerator.process_index, state.samples_seen)
     state.last_checkpoint, state.last_checkpoint_step = Path(path), state.step
     control = Control(change_knobs={k: getattr(knobs, k) for k in Knobs.RUNTIME})
     apply_knob_changes(state, control, loop)

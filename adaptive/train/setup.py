@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.logging import get_logger
 
 from adaptive.config.run import DataOptions
 from adaptive.engine import moe_param_groups
@@ -32,7 +33,9 @@ ADAM_EPS = 1e-8
 DEFAULT_LR = {"debug": 3e-3, "debug_200m": 6e-4, "b1": 3e-4, "b7": 3e-4}
 FALLBACK_LR = 3e-4
 WEIGHT_DECAY = 0.1
-logger = logging.getLogger(__name__)
+DATA_WORKERS_GPU = 2  # streamed data: loader processes per GPU; one keeps ~7x ahead of b1 on an H100 (docs/BENCHMARKS.md)
+
+logger = get_logger(__name__)
 
 
 def ensure_process_group_env() -> None:
@@ -58,9 +61,9 @@ def init_distributed() -> Any:
         from adaptive.engine import shm_comm_op_to_build
 
         op = shm_comm_op_to_build()
-        if op:  # a silent minute or two otherwise
-            logger.warning("DeepSpeed compiles %s now, once per machine (about 100 s on 2 cores); later runs "
-                           "reuse it", op)
+        if op:  # a silent minute or two otherwise; plain logging: accelerate's needs the state made below
+            logging.getLogger(__name__).warning(
+                "DeepSpeed compiles %s now, once per machine (about 100 s on 2 cores); later runs reuse it", op)
     # Without CUDA, accelerate picks no backend for DeepSpeed and then counts one process per rank;
     # naming gloo makes it read the world from the process group DeepSpeed initialises.
     return PartialState(**({} if torch.cuda.is_available() else {"backend": "gloo"}))
@@ -114,18 +117,23 @@ class Data:
 
 def load_data(options: DataOptions, seed: int, run: RunPlan, accelerator: Any, model_vocab_size: int) -> Data:
     """Tokenizer and this rank's train/eval data (rank 0 fills the caches first)."""
-    from adaptive.train.data import DataConfig, build_datasets
+    from adaptive.train.data import DataConfig, StreamingPackedDataset, build_datasets
     from adaptive.train.init_from import tokenizer_folder
     from adaptive.train.tokenizer import load_tokenizer, require_fits_vocab
 
     dataset = resolve_dataset(options.dataset, run.device.kind)
-    cfg = DataConfig(dataset=dataset, seq_len=run.knobs.seq_len, seed=seed,
-                     dataset_config=options.dataset_config, text_field=options.text_field)
+    cuda = run.device.kind == "cuda"
+    workers = options.data_workers if options.data_workers is not None else (DATA_WORKERS_GPU if cuda else 1)
+    cfg = DataConfig(dataset=dataset, seq_len=run.knobs.seq_len, seed=seed, dataset_config=options.dataset_config,
+                     text_field=options.text_field, workers=workers, pin_memory=cuda)
     with accelerator.main_process_first():
         tokenizer = load_tokenizer(options.tokenizer or tokenizer_folder(run.init_from))  # the checkpoint's own
         require_fits_vocab(tokenizer, model_vocab_size)
         train, evaluation = build_datasets(cfg, tokenizer, rank=accelerator.process_index,
                                            world_size=accelerator.num_processes)
+    if options.data_workers and not isinstance(train, StreamingPackedDataset):
+        logger.warning("--data-workers %d ignored: %s is tokenized once up front (map-style), not streamed",
+                       options.data_workers, dataset or "the shipped corpus")
     return Data(tokenizer, train, evaluation)
 
 

@@ -261,7 +261,12 @@ def test_streaming_resume_and_seed_behave_like_map_style(tmp_path, tokenizer, da
     steps = per_epoch // 2 + 4  # crosses an epoch boundary
     full = [b["input_ids"] for b in itertools.islice(batches(train, 2), steps)]
     again = [b["input_ids"] for b in itertools.islice(batches(build_datasets(c, tokenizer)[0], 2), steps)]
-    resumed = [b["input_ids"] for b in itertools.islice(batches(train, 2, start_sample=14), steps - 7)]
+    first = SampleIterator(train)
+    for _ in range(7):
+        first.next_batch(2)
+    first.commit()
+    saved = json.loads(json.dumps(first.state_dict()))  # what a checkpoint holds
+    resumed = [b["input_ids"] for b in itertools.islice(batches(train, 2, start_sample=14, state=saved), steps - 7)]
     assert all(a.equal(b) for a, b in zip(full, again))
     assert all(a.equal(b) for a, b in zip(full[7:], resumed)) and len(resumed) == steps - 7
     other = build_datasets(dataclasses.replace(c, seed=1), tokenizer)[0]
