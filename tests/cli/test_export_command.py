@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tests.cli.test_cli import adaptive
@@ -41,6 +42,7 @@ def test_export_refuses_an_impossible_format_in_one_line(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # three exports, each a fresh interpreter with torch and transformers
 def test_export_replaces_an_old_conversion_whole_and_never_a_folder_that_is_not_one(tmp_path):
     tiny_export(tmp_path, "dense")
     stale = tmp_path / "hf-llama" / "stale.safetensors"

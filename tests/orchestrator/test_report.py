@@ -31,6 +31,7 @@ def last_per_step(out, key):
     return [rows[s] for s in sorted(rows)]
 
 
+@pytest.mark.slow  # reads a real faulty run
 def test_report_writes_a_valid_png_and_a_summary(faulty, tmp_path, capsys):
     from matplotlib.image import imread
 
@@ -44,6 +45,7 @@ def test_report_writes_a_valid_png_and_a_summary(faulty, tmp_path, capsys):
         assert text in shown, shown
 
 
+@pytest.mark.slow  # reads a real faulty run
 def test_the_panels_hold_the_runs_numbers(faulty):
     run = load_run(faulty)
     fig = build_figure(run)
@@ -70,6 +72,7 @@ def test_the_panels_hold_the_runs_numbers(faulty):
     assert [t.get_text() for t in mod_ax.texts] == ["no MoD layers in this run"]
 
 
+@pytest.mark.slow  # reads a real faulty run
 def test_the_decisions_are_marked_on_the_timeline(faulty):
     run = load_run(faulty)
     fig = build_figure(run)

@@ -19,6 +19,8 @@ from adaptive.plan.planner import evaluate, host_mem_for
 from tests.conftest import subprocess_env
 from tests.train._launch import REPO, accelerate_launch, records, tail
 
+pytestmark = pytest.mark.slow  # real recipe runs
+
 GPU = "a100-80gb"
 SPEED_FACTOR = 0.8  # the "GPU" ran at 80% of the speed the model predicts
 PEAK_FACTOR = 1.25  # and peaked 25% above the predicted allocated peak

@@ -18,6 +18,8 @@ from adaptive.plan.hf_config import default_kernels, spec_from_hf_config
 from adaptive.plan.memory import TrainSetup, estimate_memory
 from tests.conftest import REPO_ROOT, subprocess_env
 
+pytestmark = pytest.mark.slow  # real DeepSpeed engines, ZeRO 0-3
+
 CONFIG = dict(model_type="llama", vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
               num_attention_heads=8, num_key_value_heads=4)
 SEQ = 8

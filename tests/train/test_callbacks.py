@@ -133,6 +133,7 @@ def _sequence(events) -> str:
     return "".join(short[e["event"]] for e in events)
 
 
+@pytest.mark.slow  # real recipe runs
 def test_events_fire_in_the_documented_order(recorded):
     _, events = recorded
     two, four = "Sbb", "Sbbbb"
@@ -156,6 +157,7 @@ def _step_ends(events):
     return [e for e in events if e["event"] == "on_step_end"]
 
 
+@pytest.mark.slow  # real recipe runs
 def test_skip_step_discards_the_gradients_and_the_schedule_moves_on(recorded):
     out, events = recorded
     ends = _step_ends(events)
@@ -167,6 +169,7 @@ def test_skip_step_discards_the_gradients_and_the_schedule_moves_on(recorded):
     assert step3["grad_norm"] is None and step3["skipped_steps"] == 1
 
 
+@pytest.mark.slow  # real recipe runs
 def test_oom_retry_redoes_the_same_step_on_the_same_samples_with_half_the_micro_batch(recorded):
     out, events = recorded
     step5 = [e for e in events if e["event"] == "on_backward_end" and e["step"] == 4][:6]
@@ -185,6 +188,7 @@ def test_oom_retry_redoes_the_same_step_on_the_same_samples_with_half_the_micro_
         (2, 4, 8)
 
 
+@pytest.mark.slow  # real recipe runs
 def test_every_committed_step_ran_on_the_data_order_samples(recorded, tokenizer, datasets_cache):
     import hashlib
 
@@ -211,6 +215,7 @@ def test_every_committed_step_ran_on_the_data_order_samples(recorded, tokenizer,
             assert rows == expected[(step - 1) * 8: step * 8], step
 
 
+@pytest.mark.slow  # real recipe runs
 def test_rollback_reloads_the_last_checkpoint_and_replays_identically(recorded):
     out, events = recorded
     ends = _step_ends(events)
@@ -229,6 +234,7 @@ def test_rollback_reloads_the_last_checkpoint_and_replays_identically(recorded):
     assert len(rollback) == 1 and rollback[0]["from_step"] == 7 and rollback[0]["step"] == 4
 
 
+@pytest.mark.slow  # real recipe runs
 def test_lr_scale_multiplies_the_scheduled_lr_from_then_on(recorded):
     out, events = recorded
     ends = {e["step"]: e for e in _step_ends(events)}
@@ -238,6 +244,7 @@ def test_lr_scale_multiplies_the_scheduled_lr_from_then_on(recorded):
     assert next(r for r in records(out, "train") if r["step"] == 9)["lr"] == pytest.approx(ends[9]["param_lr"])
 
 
+@pytest.mark.slow  # real recipe runs
 def test_an_export_file_exports_the_model_after_that_step(recorded):
     out, _ = recorded
     assert (out / "hf-step_00000002" / "model.safetensors").is_file()
@@ -245,6 +252,7 @@ def test_an_export_file_exports_the_model_after_that_step(recorded):
     assert not (out / "EXPORT").exists(), "the request file is consumed"
 
 
+@pytest.mark.slow  # real recipe runs
 def test_skip_step_on_zero_0_clears_the_gradients_and_a_stop_file_checkpoints_and_stops(tmp_path):
     out = tmp_path / "run"
     done = driver("debug", "dense", {"skip_at": 2, "touch_at": {"3": "STOP"}, "record": str(out / "events")},

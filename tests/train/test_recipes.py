@@ -131,6 +131,7 @@ def debug_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow  # real recipe runs
 @pytest.mark.parametrize("arch", ARCHS)
 def test_debug_recipe_trains_checkpoints_and_exports(debug_runs, arch):
     out, done = debug_runs[arch]
@@ -148,6 +149,7 @@ def test_debug_recipe_trains_checkpoints_and_exports(debug_runs, arch):
     assert records(out, "end")[-1]["export"] == str(out / "hf")
 
 
+@pytest.mark.slow  # real recipe runs
 @pytest.mark.parametrize("arch", ARCHS)
 def test_each_launch_path_is_honoured(debug_runs, arch):
     out, done = debug_runs[arch]
@@ -163,6 +165,7 @@ def test_each_launch_path_is_honoured(debug_runs, arch):
     assert plan["run"]["knobs"] == start["knobs"] and plan["model"] == "debug" and plan["arch"] == arch
 
 
+@pytest.mark.slow  # real recipe runs
 def test_router_metrics_match_the_architecture(debug_runs):
     tokens_per_interval = 5 * 4 * 64  # log every 5 steps x micro-batch 4 x seq 64, one process
     moe = records(debug_runs["moe"][0], "train")[-1]
@@ -187,6 +190,7 @@ def test_router_metrics_match_the_architecture(debug_runs):
     assert dense["ppl"] == pytest.approx(2.718281828459045 ** dense["lm_loss"])
 
 
+@pytest.mark.slow  # real recipe runs
 def test_exports_load_in_plain_transformers_and_generate(debug_runs, tmp_path):
     folders = {arch: str(out / "hf") for arch, (out, _) in debug_runs.items()}
     code = f"""
@@ -221,6 +225,7 @@ print(json.dumps(result))
         assert r["loss"] < 7.2, r  # trained: below ln(2048) = 7.62 of a uniform guess
 
 
+@pytest.mark.slow  # real recipe runs
 def test_debug_moe_trains_on_two_processes_with_expert_parallelism(tmp_path):
     out = tmp_path / "run"
     flags = ["--max-steps", "30", "--ep-size", "2", "--ds-config", str(REPO / "ds_configs" / "zero2_moe.json"),
