@@ -210,6 +210,10 @@ class OutputOptions:
         False, "--overwrite", commands=RUN,
         help="Start a fresh run in an --output-dir that holds one, deleting its metrics, events, trackers' logs, "
              "checkpoints and exports (without it that is refused). launch --dry-run: write the configs over the folder's.")
+    trust_checkpoint: bool = option(
+        False, "--trust-checkpoint", commands=RUN,
+        help="Resume with the full unpickler instead of the weights-only one: only for a checkpoint you wrote "
+             "yourself, whose files hold classes the weights-only loader refuses (unpickling can run code).")
     log_every: int = option(10, "--log-every", commands=RUN, minimum=1,
                             help="Log line and metrics record every N steps.")
     eval_every: int = option(0, "--eval-every", commands=RUN, minimum=0,

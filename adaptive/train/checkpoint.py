@@ -44,7 +44,7 @@ import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -326,22 +326,24 @@ def tensors_only() -> Iterator[None]:
 _FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # read by torch.load at each call
 
 
-def load_checkpoint(accelerator: Any, path: Path) -> None:
+def load_checkpoint(accelerator: Any, path: Path, trusted: bool = False) -> None:
     """Restore model, optimizer, scheduler and RNG states, unpickling tensors only. A file that pickles
-    anything else is refused before any is loaded."""
+    anything else is refused before any is loaded. `trusted` (--trust-checkpoint): DeepSpeed's own loading,
+    the full unpickler."""
     import pickle
 
-    unsafe = unsafe_pickles(path)
+    hint = "; if you wrote it yourself, --trust-checkpoint loads it with the full unpickler"
+    unsafe = [] if trusted else unsafe_pickles(path)
     if unsafe:
         file, names = unsafe[0]
         raise AdaptiveError(f"checkpoint {path}: {file} pickles {', '.join(names[:3])}, which resume does not "
-                            "unpickle (a checkpoint holds tensors and DeepSpeed's training state only)")
+                            f"unpickle (a checkpoint holds tensors and DeepSpeed's training state only){hint}")
     try:
-        with tensors_only():
+        with nullcontext() if trusted else tensors_only():
             accelerator.load_state(str(path))
     except pickle.UnpicklingError as err:
         raise AdaptiveError(f"checkpoint {path}: refused by the weights-only unpickler ("
-                            f"{str(err).splitlines()[0][:200]})") from None
+                            f"{str(err).splitlines()[0][:200]}){hint}") from None
     except RuntimeError as err:  # e.g. shapes that differ: a checkpoint of another model
         raise AdaptiveError(f"checkpoint {path} does not load into this model: {str(err).splitlines()[0][:200]}") \
             from None

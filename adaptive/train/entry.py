@@ -126,7 +126,8 @@ def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] 
     chain = CallbackList([*(callbacks or []), *(plugins() if plan.orchestrator and plugins else [])])
     settings = LoopSettings(log_every=out.log_every, eval_every=out.eval_every,
                             checkpoint_every=out.checkpoint_every, keep_checkpoints=out.keep_checkpoints,
-                            export_every=out.export_every, progress=out.progress)
+                            export_every=out.export_every, progress=out.progress,
+                            trust_checkpoints=out.trust_checkpoint)
     metrics = MetricsWriter(output_dir, main_process)
     loop = Loop(run=plan, data=data, callbacks=chain, metrics=metrics, settings=settings, device=accelerator.device,
                 lr_scheduler=lr_scheduler)

@@ -63,6 +63,7 @@ class LoopSettings:
     keep_checkpoints: int = 3
     export_every: int = 0  # 0: only at the end (and on request)
     progress: bool = True
+    trust_checkpoints: bool = False  # --trust-checkpoint: resume with the full unpickler
 
 
 @dataclass
@@ -491,7 +492,7 @@ def restore(state: TrainerState, loop: Loop, path: Path) -> None:
     if len(saved["samples_seen"]) != state.world_size:
         raise AdaptiveError(f"checkpoint {path}: trainer_state.json has {len(saved['samples_seen'])} data positions "
                             f"for {state.world_size} processes")
-    ckpt.load_checkpoint(state.accelerator, path)
+    ckpt.load_checkpoint(state.accelerator, path, trusted=loop.settings.trust_checkpoints)
     if saved["max_steps"] != state.max_steps:
         logger.warning("the checkpoint's run had max_steps %d, this one %d: the LR schedule follows %d",
                        saved["max_steps"], state.max_steps, state.max_steps)

@@ -212,9 +212,18 @@ def test_a_checkpoint_that_pickles_a_command_is_refused_before_anything_is_loade
         def load_state(self, path):
             raise AssertionError("load_state must not be reached")
 
-    with pytest.raises(AdaptiveError, match="random_states_0.pkl pickles posix.system"):
+    with pytest.raises(AdaptiveError, match="random_states_0.pkl pickles posix.system.*--trust-checkpoint"):
         ckpt.load_checkpoint(Loads(), step)
     assert not marker.exists()
+
+    class Records(FakeAccelerator):
+        loaded = None
+
+        def load_state(self, path):
+            Records.loaded = path
+
+    ckpt.load_checkpoint(Records(), step, trusted=True)  # --trust-checkpoint: DeepSpeed's own loading, unscanned
+    assert Records.loaded == str(step)
 
 
 # ---------------------------------------------------------------------------------------------
