@@ -218,8 +218,9 @@ def read_latest(root: Path) -> Path | None:
 
 def find_checkpoint(resume: str, output_dir: Path) -> Path | None:
     """The checkpoint `--resume` means, verified (sizes and SHA-256 digests). "auto" (or a run folder, or a
-    checkpoints folder) gives the one `latest` names, else the newest that verifies, with a warning for each
-    one passed over; a step folder must verify. None when there is none."""
+    checkpoints folder) gives the one `latest` names, else the newest older one that verifies (any, when
+    `latest` is unusable), with a warning for each one passed over; a step folder must verify. None when
+    there is none."""
     if resume == "auto":
         target = Path(output_dir)
     else:
@@ -235,7 +236,10 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path | None:
     root = target / CHECKPOINTS if (target / CHECKPOINTS).is_dir() else target
     latest = read_latest(root)
     candidates = [p for p in [latest] if p is not None and p.is_dir()]
-    candidates += [p for p in complete_checkpoints(root) if p not in candidates]
+    # past `latest`, only older ones: a newer one belongs to a history a resume abandoned
+    newest = checkpoint_step(latest) if latest is not None else None
+    candidates += [p for p in complete_checkpoints(root) if p not in candidates and
+                   (newest is None or checkpoint_step(p) < newest)]
     for path in candidates:
         reason = verify(path)
         if reason is None:

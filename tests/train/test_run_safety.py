@@ -164,6 +164,18 @@ def test_a_same_size_corruption_is_caught_by_its_digest_and_resume_falls_back(tm
         ckpt.find_checkpoint(str(newest), tmp_path)
 
 
+def test_past_latest_resume_falls_back_to_older_checkpoints_never_to_an_abandoned_newer_one(tmp_path):
+    for step in (2, 4, 8):
+        fake_save(tmp_path, step)
+    root = tmp_path / "checkpoints"
+    fake_save(tmp_path, 6)  # a run resumed from step 4 wrote step 6: latest; step 8 is the abandoned history
+    assert ckpt.read_latest(root).name == "step_00000006"
+    (root / "step_00000006" / "scheduler.bin").write_bytes(b"X" * len(b"schedule"))  # same size, other bytes
+    assert ckpt.find_checkpoint("auto", tmp_path).name == "step_00000004"
+    (root / "latest").write_text("../elsewhere\n")  # no usable latest: the newest that verifies
+    assert ckpt.find_checkpoint("auto", tmp_path).name == "step_00000008"
+
+
 def test_a_failed_write_leaves_no_partial_folder_and_names_the_newest_checkpoint(tmp_path):
     fake_save(tmp_path, 2)
     before = snapshot(tmp_path)
