@@ -241,15 +241,11 @@ def plan_launch(req: LaunchRequest) -> Launch:
 
 def _require_a_checkpoint(resume: str, run_dir: Path) -> None:
     """A complete checkpoint to resume from (sizes checked; the recipe verifies its digests)."""
-    from adaptive.train.checkpoint import CHECKPOINTS, checkpoint_step, complete_checkpoints, is_complete
+    from adaptive.train.checkpoint import find_checkpoint
 
-    target = run_dir if resume == "auto" else Path(resume).expanduser()
-    if checkpoint_step(target) is not None and is_complete(target):
-        return
-    root = target / CHECKPOINTS if (target / CHECKPOINTS).is_dir() else target
-    if not complete_checkpoints(root):
-        raise AdaptiveError(f"--resume: {target} holds no complete checkpoint, so nothing was written; "
-                            "launch a fresh run without --resume")
+    if find_checkpoint(resume, run_dir, digests=False) is None:
+        raise AdaptiveError(f"--resume: {run_dir if resume == 'auto' else resume} holds no complete checkpoint, "
+                            "so nothing was written; launch a fresh run without --resume")
 
 
 def run_launch(launch: Launch) -> int:
@@ -270,7 +266,7 @@ def run_launch(launch: Launch) -> int:
     previous = os.environ.get(ERROR_FILE_ENV)
     os.environ[ERROR_FILE_ENV] = error_file
     try:
-        with _launcher_logs_held() as held:
+        with _LauncherLogsHeld() as held:
             try:
                 launch_command(args)
             except Exception:
@@ -287,7 +283,7 @@ def run_launch(launch: Launch) -> int:
             os.environ[ERROR_FILE_ENV] = previous
 
 
-class _launcher_logs_held(logging.Handler):
+class _LauncherLogsHeld(logging.Handler):
     """Holds the log records of torch's launcher and elastic agent (their failure report) until the run ends;
     they are shown only when the recipe did not say why it failed."""
 
@@ -299,7 +295,7 @@ class _launcher_logs_held(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
 
-    def __enter__(self) -> _launcher_logs_held:
+    def __enter__(self) -> _LauncherLogsHeld:
         import torch.distributed.run  # noqa: F401  (creates the launcher's and the agent's loggers)
 
         names = [n for n in logging.Logger.manager.loggerDict if n == "torch.distributed" or

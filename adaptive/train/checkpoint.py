@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -54,6 +55,8 @@ from adaptive.durable import atomic_write_text, fsync_tree, replace_dir
 from adaptive.errors import AdaptiveError
 
 logger = get_logger(__name__)
+# finding a checkpoint also runs where accelerate's state does not exist (`adaptive launch --resume`)
+lookup_logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -206,7 +209,7 @@ def read_latest(root: Path) -> Path | None:
     except UnicodeDecodeError:
         name = ""
     if not _STEP_DIR.match(name):
-        logger.warning("%s does not name a checkpoint of this folder (%r); ignoring it", Path(root) / LATEST,
+        lookup_logger.warning("%s does not name a checkpoint of this folder (%r); ignoring it", Path(root) / LATEST,
                        raw[:40])
         return None
     return Path(root) / name
@@ -216,11 +219,12 @@ def read_latest(root: Path) -> Path | None:
 # Resume
 
 
-def find_checkpoint(resume: str, output_dir: Path) -> Path | None:
+def find_checkpoint(resume: str, output_dir: Path, digests: bool = True) -> Path | None:
     """The checkpoint `--resume` means, verified (sizes and SHA-256 digests). "auto" (or a run folder, or a
     checkpoints folder) gives the one `latest` names, else the newest older one that verifies (any, when
     `latest` is unusable), with a warning for each one passed over; a step folder must verify. None when
-    there is none."""
+    there is none. `digests=False` checks sizes only (a cheap look before the real resume verifies)."""
+    check = verify if digests else (lambda folder: None if is_complete(folder) else "incomplete")
     if resume == "auto":
         target = Path(output_dir)
     else:
@@ -229,7 +233,7 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path | None:
             raise AdaptiveError(f"--resume {resume!r} does not exist; "
                                 "pass a run folder, its checkpoints/ or a step folder")
     if checkpoint_step(target) is not None:
-        reason = verify(target)
+        reason = check(target)
         if reason:
             raise AdaptiveError(f"checkpoint {str(target)!r} cannot be resumed: {reason}")
         return target
@@ -241,10 +245,10 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path | None:
     candidates += [p for p in complete_checkpoints(root) if p not in candidates and
                    (newest is None or checkpoint_step(p) < newest)]
     for path in candidates:
-        reason = verify(path)
+        reason = check(path)
         if reason is None:
             return path
-        logger.warning("checkpoint %s cannot be resumed (%s); trying an older one", path, reason)
+        lookup_logger.warning("checkpoint %s cannot be resumed (%s); trying an older one", path, reason)
     return None
 
 

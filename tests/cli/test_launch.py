@@ -175,3 +175,14 @@ def test_launch_refuses_zero_where_a_positive_number_is_needed(flag, tmp_path):
     done = adaptive("launch", RECIPE, "--gpu", "a100", flag, "0", "--run-dir", str(tmp_path), "--dry-run")
     assert done.returncode == 2 and flag in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())
+
+
+def test_resume_with_no_checkpoint_is_refused_before_launch_writes_anything(tmp_path):
+    (tmp_path / "checkpoints" / "step_00000002").mkdir(parents=True)  # no COMPLETE.json: not a checkpoint
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000002\n")
+    done = adaptive("launch", RECIPE, "--gpu", "a100", "--run-dir", str(tmp_path), "--resume")
+    assert done.returncode == 2 and "Traceback" not in done.stderr  # the lookup warns without accelerate's state
+    assert [line for line in done.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: --resume: {tmp_path} holds no complete checkpoint, so nothing was written; launch a fresh run "
+        "without --resume"]
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoints"]

@@ -24,3 +24,16 @@ def tiny_model(arch: str = "dense", seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     return AdaptiveForCausalLM(tiny_config(arch, **overrides))
+
+
+PAD = 0
+
+
+def prompts():
+    """Two prompts of 9 tokens (vocab 128), the second left-padded by 3: (input_ids, attention_mask)."""
+    import torch
+
+    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = PAD, 0
+    return ids, mask

@@ -6,20 +6,11 @@ import json
 
 import pytest
 import torch
-from _model_helpers import tiny_model
+from _model_helpers import PAD, prompts, tiny_model
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, MixtralForCausalLM
 
 from adaptive.errors import AdaptiveError
 from adaptive.models.export import choose_format, export_pretrained
-
-PAD = 0
-
-
-def prompts() -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(5))
-    mask = torch.ones_like(ids)
-    ids[1, :3], mask[1, :3] = PAD, 0
-    return ids, mask
 
 
 def moe_model(**overrides):

@@ -4,20 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _model_helpers import tiny_model
+from _model_helpers import PAD, prompts, tiny_model
 from transformers import AutoModelForCausalLM
 
 from adaptive.models.mod import RoutedCacheLayer
-
-PAD = 0
-
-
-def prompts() -> tuple[torch.Tensor, torch.Tensor]:
-    """Two prompts, the second left-padded by 3."""
-    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(5))
-    mask = torch.ones_like(ids)
-    ids[1, :3], mask[1, :3] = PAD, 0
-    return ids, mask
 
 
 def test_save_pretrained_round_trips_to_the_same_logits(arch, tmp_path):

@@ -7,7 +7,7 @@ its fp32 temporary (4 bytes per updated parameter) comes on top of the step unde
 under ZeRO-3 (2 bytes net: DeepSpeed frees a 16-bit partition copy before the update) and not at all
 under ZeRO-1/2 (DeepSpeed 0.19.8 flattens the 16-bit gradient partition before the update, a moment
 that already holds as much). Every peak and every difference is measured: real engines train a small
-Llama for two steps under `MemTracker` (tests/plan/_deepspeed_inputs_worker.py), as
+Llama for two steps under `MemTracker` (tests/plan/_deepspeed_peak_worker.py), as
 test_memory_measured_deepspeed.py does for the ZeRO stages and gradient accumulation.
 """
 
@@ -70,7 +70,7 @@ def runs(tmp_path_factory):
                                offload="none", micro_batch=1, grad_accum=1, checkpointing=False, optimizer=planned)
         plans[name] = fit(request)
         engines[name] = {"ds": ds_config(plans[name].shown.setup, 1, get_gpu("a100-80gb")), "optimizer": kind}
-    out = subprocess.run([sys.executable, str(REPO_ROOT / "tests/plan/_deepspeed_inputs_worker.py"),
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "tests/plan/_deepspeed_peak_worker.py"),
                           json.dumps(CONFIG), json.dumps(engines), str(SEQ)],
                          capture_output=True, text=True, env=subprocess_env(), timeout=1500)
     assert out.returncode == 0, out.stderr[-3000:]

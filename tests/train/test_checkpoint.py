@@ -10,6 +10,7 @@ import pytest
 
 from adaptive.errors import AdaptiveError
 from adaptive.train import checkpoint as ckpt
+from tests.train._fake_accelerator import FakeAccelerator
 
 
 @pytest.fixture(autouse=True)
@@ -18,28 +19,6 @@ def accelerate_state():
     from accelerate import PartialState
 
     PartialState(cpu=True)
-
-
-class FakeAccelerator:
-    """One process; save_state writes two files like accelerate would, or dies halfway."""
-
-    is_main_process = is_local_main_process = True
-    num_processes = 1
-
-    def __init__(self, crash_after_first_file: bool = False) -> None:
-        self.crash = crash_after_first_file
-
-    def wait_for_everyone(self) -> None:
-        pass
-
-    def save_state(self, path: str) -> None:
-        os.makedirs(os.path.join(path, "pytorch_model"), exist_ok=True)
-        with open(os.path.join(path, "pytorch_model", "mp_rank_00_model_states.pt"), "wb") as f:
-            f.write(b"weights" * 100)
-        if self.crash:
-            raise KeyboardInterrupt("killed while saving")
-        with open(os.path.join(path, "scheduler.bin"), "wb") as f:
-            f.write(b"schedule")
 
 
 def save(tmp_path, step, keep=3, **kw):

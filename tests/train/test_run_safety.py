@@ -24,6 +24,7 @@ import pytest
 
 from adaptive.errors import AdaptiveError
 from adaptive.train import checkpoint as ckpt
+from tests.train._fake_accelerator import FakeAccelerator
 from adaptive.train.run_folder import LOCK_FILE, RunLock, check_fresh_start, clear_run, run_files
 from tests.train._launch import DRIVER, REPO, launch_env, records, train_losses
 
@@ -62,28 +63,6 @@ def accelerate_state():
     from accelerate import PartialState
 
     PartialState(cpu=True)
-
-
-class FakeAccelerator:
-    """One process; save_state writes two files like accelerate would, or fails with `error`."""
-
-    is_main_process = is_local_main_process = True
-    num_processes = 1
-
-    def __init__(self, error: OSError | None = None) -> None:
-        self.error = error
-
-    def wait_for_everyone(self) -> None:
-        pass
-
-    def save_state(self, path: str) -> None:
-        os.makedirs(os.path.join(path, "pytorch_model"), exist_ok=True)
-        with open(os.path.join(path, "pytorch_model", "mp_rank_00_model_states.pt"), "wb") as f:
-            f.write(b"weights" * 100)
-        if self.error:
-            raise self.error
-        with open(os.path.join(path, "scheduler.bin"), "wb") as f:
-            f.write(b"schedule")
 
 
 def fake_save(run: Path, step: int, **kw) -> Path:

@@ -1,8 +1,11 @@
-"""Run real DeepSpeed training steps on the CPU for each ZeRO stage and print the tracked peak.
+"""Real DeepSpeed training steps on the CPU, one engine per named run, printing each tracked peak.
 
-Invoked by test_memory_measured_deepspeed.py in a fresh process (it initialises torch.distributed).
-Prints one JSON object: {stage: peak_bytes}. Everything from model creation on is tracked, so
-DeepSpeed's own buffers (fp32 master copies, gradient partitions, buckets) count.
+Invoked by test_memory_measured_deepspeed.py and test_memory_measured_deepspeed_inputs.py in a fresh
+process (it initialises torch.distributed). argv: model config JSON, runs JSON {name: {"ds": ds_config
+dict, "optimizer": "fused" | "foreach"}}, sequence length. Prints one JSON object {name: peak_bytes}.
+Everything from model creation on is tracked, so DeepSpeed's own buffers (fp32 master copies, gradient
+partitions, buckets) count; two accumulation cycles reach the steady state (optimizer states exist from
+the first optimizer step on).
 """
 
 import json
@@ -24,25 +27,27 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 def main() -> None:
     config = json.loads(sys.argv[1])
-    ds_configs = json.loads(sys.argv[2])  # stage -> ds_config dict, from our emitter
+    runs = json.loads(sys.argv[2])
     seq = int(sys.argv[3])
     cfg = LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"}, attn_implementation="sdpa")
     peaks = {}
-    for stage, ds in ds_configs.items():
+    for name, run in runs.items():
         torch.manual_seed(0)
         tracker = MemTracker()
+        ds = run["ds"]
         with tracker:
             model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-            # fused AdamW: no foreach temporaries, as our training loop uses
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            # fused: what our loop builds; foreach: torch AdamW's multi-tensor path (transformers'
+            # optim="adamw_torch"; on a GPU torch picks it by default, on the CPU it must be asked for)
+            kind = {"fused": {"fused": True}, "foreach": {"foreach": True}}[run["optimizer"]]
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **kind)
             engine, _, _, _ = deepspeed.initialize(model=model, config=ds, optimizer=optimizer)
             ids = torch.randint(0, cfg.vocab_size, (1, seq))
-            # steady state: the optimizer states exist from the first optimizer step on
             for _ in range(2 * ds.get("gradient_accumulation_steps", 1)):
                 tracker.reset_mod_stats()
                 engine.backward(engine(input_ids=ids, labels=ids).loss)
                 engine.step()
-            peaks[stage] = sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+            peaks[name] = sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
         del engine, model, optimizer
     print(json.dumps(peaks))
 
