@@ -50,7 +50,7 @@ def _parameter(field: Any, flag: Flag) -> inspect.Parameter:
     # a long list of choices is shown as <name> (the help lists them): at 80 columns rich would cut option names
     metavar = None
     if flag.choices and len("|".join(flag.choices)) > MAX_CHOICES_SHOWN:
-        metavar = "<list>" if flag.many else f"<{flag.name.strip('-')}>"
+        metavar = "<list>" if flag.many else "<choice>"
     info = typer.Option(*names, help=flag.help, rich_help_panel=flag.panel, show_default=field.default is not None,
                         metavar=metavar)
     return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,

@@ -151,6 +151,21 @@ class ParallelismOptions:
                                     help="Pin gradient accumulation steps.")
     ep_size: int | None = option(None, "--ep-size", commands=PLANNING, minimum=1,
                                  help="Pin the expert-parallel size (MoE).")
+    sp_size: int | None = option(
+        None, "--sp-size", commands=PLANNING, minimum=1,
+        help="Pin the Ulysses sequence-parallel size (DeepSpeed's sequence parallel size): each GPU holds 1/sp "
+             "of every sequence; the attention heads must divide by it.")
+    tp_size: int | None = option(
+        None, "--tp-size", commands=PLANNING, minimum=1,
+        help="Pin the AutoTP tensor-parallel size (DeepSpeed's autotp_size), within a node.")
+    zero_hpz: int | None = option(
+        None, "--zero-hpz", commands=PLANNING, minimum=1,
+        help="Pin ZeRO++ hpZ (DeepSpeed's hpz partition size): a secondary ZeRO-3 parameter copy sharded over "
+             "this many GPUs of a node, so the backward all-gathers stay in the node; 1 is off.")
+    zero_quantize: str | None = option(
+        None, "--zero-quantize", commands=PLANNING, choices=("off", "weights", "gradients", "both"),
+        help="Pin ZeRO++ quantized communication under ZeRO-3: off, weights (qwZ: int8 parameter all-gathers), "
+             "gradients (qgZ: int4 reduce-scatter) or both.")
     ds_config: str | None = option(
         None, "--ds-config", commands=PLANNING,
         help="Your DeepSpeed JSON: its explicit values pin the knobs, bucket sizes and optimizer; its \"auto\" "

@@ -59,6 +59,12 @@ class FitRequest:
     # off | full | selective (the planner picks among SELECTIVE_POLICIES) | a pinned policy (mlp, every:N);
     # None: gradient_checkpointing decides (None there too: the planner tries off, selective, full)
     checkpointing: str | None = None
+    # beyond data parallelism (DeepSpeed): Ulysses sequence parallel, AutoTP tensor parallel, ZeRO++
+    sp_size: int | None = None
+    tp_size: int | None = None
+    zero_hpz: int | None = None  # zero_hpz_partition_size; 1 is off
+    zero_quantized_weights: bool | None = None
+    zero_quantized_gradients: bool | None = None
 
     @property
     def world_size(self) -> int:

@@ -55,7 +55,8 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
                  gpu_mem_gib: float | None = None, gpu_tflops: float | None = None,
                  calibrate: str | None = None, optimizer: str | None = None, attention: str = "sdpa",
                  ds_config: str | None = None, kernels: str | None = None,
-                 checkpoint_policy: str | None = None) -> FitRequest:
+                 checkpoint_policy: str | None = None, sp_size: int | None = None, tp_size: int | None = None,
+                 zero_hpz: int | None = None, zero_quantize: str | None = None) -> FitRequest:
     """`kernels` None: "lean" for adaptive's models, "plain" for a config.json transformers' class trains."""
     require_positive("--host-mem", host_mem_gib)
     spec = resolve_model(model, arch, mod_capacity)
@@ -89,6 +90,9 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         kernels=kernels or default_kernels(spec),
         checkpointing=checkpoint_policy,
         calibration_source=source,
+        sp_size=sp_size, tp_size=tp_size, zero_hpz=zero_hpz,
+        zero_quantized_weights=None if zero_quantize is None else zero_quantize in ("weights", "both"),
+        zero_quantized_gradients=None if zero_quantize is None else zero_quantize in ("gradients", "both"),
     )
     return calibrate_with_run(request, run) if run is not None else request
 
@@ -148,4 +152,5 @@ def request_from_config(config: RunConfig, *, model: str = "b7", calibrate: str 
         capacity_factor=m.capacity_factor, mod_capacity=m.mod_capacity, mfu=hw.mfu, price=hw.price,
         host_mem_gib=hw.host_mem, gpu_mem_gib=hw.gpu_mem, gpu_tflops=hw.gpu_tflops, calibrate=calibrate,
         optimizer=config.optimizer.optimizer, attention=m.attention, ds_config=par.ds_config,
-        kernels=m.kernels, checkpoint_policy=config.checkpointing.checkpoint_policy)
+        kernels=m.kernels, checkpoint_policy=config.checkpointing.checkpoint_policy, sp_size=par.sp_size,
+        tp_size=par.tp_size, zero_hpz=par.zero_hpz, zero_quantize=par.zero_quantize)
