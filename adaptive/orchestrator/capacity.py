@@ -66,6 +66,8 @@ def planned_peak_bytes(plan: Any, knobs: Knobs | None, capacity_factor: float) -
     if knobs is not None:
         setup = dataclasses.replace(setup, micro_batch_size=knobs.micro_batch_size, seq_len=knobs.seq_len,
                                     gradient_checkpointing=knobs.gradient_checkpointing,
+                                    checkpoint_policy=None if knobs.checkpoint_policy in ("off", "full")
+                                    else knobs.checkpoint_policy,
                                     gradient_accumulation_steps=knobs.gradient_accumulation_steps)
     return estimate_memory(dataclasses.replace(setup, capacity_factor=capacity_factor)).peak_gpu_bytes
 

@@ -7,15 +7,18 @@ the same optimizer step on the same samples, so no sample is lost or repeated:
 
     1. micro-batch > 1: halve it (the largest divisor <= half) and raise gradient accumulation by the
        same factor: micro-batch x accumulation, hence the global batch, is unchanged;
-    2. micro-batch 1: turn on activation checkpointing;
-    3. checkpointing already on: halve the sequence, when `min_seq_len` allows it (half >= min_seq_len,
+    2. micro-batch 1: checkpoint more activations, one policy of `checkpoint_ladder` per OOM, as
+       the planner orders them (least recompute first): every:4 (every 4th block recomputes), every:2,
+       mlp (each block recomputes its MLP half), full. A run that starts on a policy moves to the next
+       one after it (a policy not in the ladder, e.g. a pinned every:3, to full);
+    3. full checkpointing already on: halve the sequence, when `min_seq_len` allows it (half >= min_seq_len,
        and half divides the block length), and double the accumulation. The data stay blocks of the
        run's --seq-len (the block length); the loop cuts each of the step's blocks into consecutive
        pieces of the new seq_len and runs the micro-batches over the pieces, so the step takes the same
        blocks and the same tokens as before. Each piece is a sequence of its own: its first token has
        no context, and a block of B tokens cut into k pieces yields B - k predicted tokens instead of
        B - 1. The rung repeats (1/4, 1/8, ...) while min_seq_len allows. Without `min_seq_len` the
-       ladder ends at rung 2: the policy records "exhausted" and the error propagates.
+       ladder ends at full checkpointing: the policy records "exhausted" and the error propagates.
 
 The loop writes the knobs in force (seq_len included) to plan.json and ds_config.json after each
 change; with `checkpoint_after_change` the policy also asks for a checkpoint once the retried step
@@ -35,18 +38,28 @@ from typing import Any
 from adaptive.orchestrator.registry import Policy, require
 from adaptive.orchestrator.contract import Control, Knobs, TrainerState
 from adaptive.orchestrator.events import EventLog
+from adaptive.plan.activations import SELECTIVE_POLICIES, parse_checkpoint_policy
 
 
 @dataclass(frozen=True)
 class OOMConfig:
     checkpointing: bool = True  # rung 2 allowed
+    checkpoint_ladder: tuple[str, ...] = (*SELECTIVE_POLICIES, "full")  # rung 2's policies, in order
     min_seq_len: int | None = None  # rung 3 (halve the sequence) allowed down to this length; None: never
     checkpoint_after_change: bool = True
-    max_retries: int = 4  # per step
+    max_retries: int = 8  # per step: enough for micro-batch 8 down to 1 and the whole checkpointing ladder
 
     def __post_init__(self) -> None:
         require(self.min_seq_len is None or self.min_seq_len >= 1, f"min_seq_len must be >= 1, got {self.min_seq_len}")
         require(self.max_retries >= 0, f"max_retries must be >= 0, got {self.max_retries}")
+        object.__setattr__(self, "checkpoint_ladder", tuple(self.checkpoint_ladder))  # JSON gives a list
+        for policy in self.checkpoint_ladder:
+            try:
+                parse_checkpoint_policy(policy)
+            except ValueError as e:
+                require(False, f"checkpoint_ladder: {e}")
+        require(self.checkpoint_ladder[-1:] == ("full",), f"checkpoint_ladder must end with full, got "
+                f"{list(self.checkpoint_ladder)}")
 
 
 def next_rung(knobs: Knobs, config: OOMConfig) -> tuple[str, dict[str, Any]] | None:
@@ -56,13 +69,25 @@ def next_rung(knobs: Knobs, config: OOMConfig) -> tuple[str, dict[str, Any]] | N
         smaller = max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
         accum = knobs.gradient_accumulation_steps * (micro // smaller)
         return "halve_micro_batch", {"micro_batch_size": smaller, "gradient_accumulation_steps": accum}
-    if config.checkpointing and not knobs.gradient_checkpointing:
-        return "enable_checkpointing", {"gradient_checkpointing": True}
+    policy = next_checkpoint_policy(knobs.checkpoint_policy, config) if config.checkpointing else None
+    if policy is not None:
+        action = "enable_checkpointing" if knobs.checkpoint_policy == "off" else "raise_checkpointing"
+        return action, {"checkpoint_policy": policy}
     seq = shorter_seq_len(knobs, config.min_seq_len)
     if seq is not None:
         accum = knobs.gradient_accumulation_steps * (knobs.seq_len // seq)
         return "halve_seq_len", {"seq_len": seq, "gradient_accumulation_steps": accum}
     return None
+
+
+def next_checkpoint_policy(current: str, config: OOMConfig) -> str | None:
+    """The ladder's policy after `current` (its first from off, full from one not in it); None at full."""
+    ladder = config.checkpoint_ladder
+    if current == "full":
+        return None
+    if current == "off":
+        return ladder[0]
+    return ladder[ladder.index(current) + 1] if current in ladder else "full"
 
 
 def shorter_seq_len(knobs: Knobs, min_seq_len: int | None) -> int | None:
@@ -96,7 +121,8 @@ class OOMPolicy:
         rung = next_rung(knobs, self.config)
         if rung is None:
             self.events.record(state.step + 1, self.name, "exhausted", "out of memory at micro-batch 1 with "
-                               f"checkpointing {'on' if knobs.gradient_checkpointing else 'off (not allowed)'}; no "
+                               f"checkpointing {knobs.checkpoint_policy}"
+                               f"{'' if knobs.gradient_checkpointing else ' (no more allowed)'}; no "
                                f"shorter sequence allowed (seq_len {knobs.seq_len}, block {knobs.block_len}, "
                                f"min_seq_len {self.config.min_seq_len})", signals=signals, before=before,
                                after=before)
@@ -122,4 +148,4 @@ class OOMPolicy:
 
 POLICY = Policy(name="oom", config=OOMConfig, build=lambda monitor, events, config: OOMPolicy(events, config))
 
-__all__ = ["OOMConfig", "OOMPolicy", "next_rung", "shorter_seq_len"]
+__all__ = ["OOMConfig", "OOMPolicy", "next_checkpoint_policy", "next_rung", "shorter_seq_len"]

@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from adaptive.errors import AdaptiveError
+from adaptive.plan.activations import parse_checkpoint_policy
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +86,24 @@ class Knobs:
     offload_params: bool
     ep_size: int
     block_len: int = 0  # 0: seq_len (a run that never cut its blocks; checkpoints written before the field)
+    # the activation checkpointing in force: off | every:N | mlp | full (adaptive/models/checkpointing.py);
+    # "": gradient_checkpointing's (full or off). gradient_checkpointing stays True exactly when it is "full".
+    checkpoint_policy: str = ""
 
-    RUNTIME = ("micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "seq_len")
+    RUNTIME = ("micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "checkpoint_policy",
+               "seq_len")
 
     def __post_init__(self) -> None:
         if not self.block_len:
             object.__setattr__(self, "block_len", self.seq_len)
+        policy = self.checkpoint_policy or ("full" if self.gradient_checkpointing else "off")
+        try:
+            kind, _ = parse_checkpoint_policy(policy)
+        except ValueError as e:
+            raise AdaptiveError(str(e)) from None
+        policy = "full" if kind == "full" else policy  # every:1 is full
+        object.__setattr__(self, "checkpoint_policy", policy)
+        object.__setattr__(self, "gradient_checkpointing", policy == "full")
 
     @property
     def pieces_per_block(self) -> int:
@@ -119,8 +132,10 @@ class Knobs:
                 raise AdaptiveError(
                     f"knob {key!r} cannot change while training; runtime knobs: {', '.join(self.RUNTIME)}"
                 )
-            if key != "gradient_checkpointing" and (not isinstance(value, int) or value < 1):
+            if key not in ("gradient_checkpointing", "checkpoint_policy") and (not isinstance(value, int) or value < 1):
                 raise AdaptiveError(f"knob {key} must be a positive integer, got {value!r}")
+        if "checkpoint_policy" not in changes and "gradient_checkpointing" in changes:  # on/off: full or off
+            changes = {**changes, "checkpoint_policy": "full" if changes["gradient_checkpointing"] else "off"}
         new = replace(self, **changes)
         if new.block_len % new.seq_len:
             divisors = [d for d in range(1, new.block_len + 1) if new.block_len % d == 0]

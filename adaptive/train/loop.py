@@ -40,6 +40,7 @@ from accelerate.logging import get_logger
 
 from adaptive import engine as engine_internals
 from adaptive.errors import AdaptiveError
+from adaptive.models.checkpointing import apply_checkpointing
 from adaptive.train.callbacks import CallbackList, Control, Knobs, TrainerState
 from adaptive.train import checkpoint as ckpt
 from adaptive.train.data import SampleIterator, eval_batches
@@ -429,12 +430,8 @@ def apply_knob_changes(state: TrainerState, control: Control, loop: Loop) -> Non
                                                                    old.gradient_accumulation_steps):
         # DeepSpeed's own counters (samples, throughput); the loop runs the accumulation itself
         engine_internals.set_batch_sizes(engine, new.micro_batch_size, new.sequences_per_step)
-    if new.gradient_checkpointing != old.gradient_checkpointing:
-        model = state.accelerator.unwrap_model(engine)
-        if new.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_disable()
+    if new.checkpoint_policy != old.checkpoint_policy:
+        apply_checkpointing(state.accelerator.unwrap_model(engine), new.checkpoint_policy)
     logger.info("knobs changed at step %d: %s", state.step,
                 {k: (getattr(old, k), getattr(new, k)) for k in changes if getattr(old, k) != getattr(new, k)})
     write_run_files(state, loop)
@@ -476,8 +473,11 @@ def restore(state: TrainerState, loop: Loop, path: Path) -> None:
         raise AdaptiveError(f"checkpoint {path} is of {theirs.get('preset')} {theirs.get('arch')} "
                             f"({theirs.get('params_total')} parameters), this run trains {ours['preset']} {ours['arch']} "
                             f"({ours['params_total']}); resume with its recipe, or pass another --output-dir")
+    saved_knobs = dict(saved["knobs"])
+    if "checkpoint_policy" not in saved_knobs and not saved_knobs.get("gradient_checkpointing"):
+        saved_knobs["checkpoint_policy"] = state.knobs.checkpoint_policy  # written before the knob: as planned
     try:
-        knobs = Knobs(**saved["knobs"])
+        knobs = Knobs(**saved_knobs)
     except TypeError as err:
         raise AdaptiveError(f"checkpoint {path}: trainer_state.json has unusable knobs ({err})") from None
     # the block length (the run's --seq-len) is fixed: the data position counts blocks of it; the

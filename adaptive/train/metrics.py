@@ -12,7 +12,7 @@ metrics.jsonl: one JSON object per line, `kind` says which:
   kind "start" (each time a run starts or resumes): step, time, preset, arch, world_size, device,
       gpu (catalog name or null), precision, knobs {micro_batch_size, gradient_accumulation_steps,
       seq_len, gradient_checkpointing, zero_stage, offload_optimizer, offload_params, ep_size,
-      block_len (the data blocks: --seq-len)},
+      block_len (the data blocks: --seq-len), checkpoint_policy (off, every:N, mlp, full)},
       ds_config_source, max_steps, tokens_per_step, params_total, params_active,
       model_flops_per_token, orchestrator {requested, enabled, reason}, resumed_from (path or null)
   kind "train" (every --log-every steps, and for the steps left at a stop or the end; values cover
@@ -37,8 +37,8 @@ metrics.jsonl: one JSON object per line, `kind` says which:
       mod_skip_rate        per MoD layer, mean fraction of tokens that skipped the block
       memory               {allocated_bytes, peak_allocated_bytes, reserved_bytes} of the main
                            process's CUDA device, peak since the previous record; null on CPU
-      knobs                {micro_batch_size, gradient_accumulation_steps, gradient_checkpointing, seq_len}
-                           in force (seq_len < block_len: each block cut into pieces of seq_len)
+      knobs                {micro_batch_size, gradient_accumulation_steps, gradient_checkpointing,
+                           checkpoint_policy, seq_len} in force (seq_len < block_len: each block cut into pieces of seq_len)
   kind "eval": step, time, eval_loss (LM loss, token-weighted), eval_ppl, eval_tokens
   kind "end": step, time, export (path of the final HF folder or null), skipped_steps
 

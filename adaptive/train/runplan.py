@@ -282,7 +282,8 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
     s = chosen.setup
     knobs = Knobs(micro_batch_size=s.micro_batch_size, gradient_accumulation_steps=chosen.grad_accum,
                   seq_len=s.seq_len, gradient_checkpointing=s.gradient_checkpointing, zero_stage=s.zero_stage,
-                  offload_optimizer=s.offload_optimizer, offload_params=s.offload_params, ep_size=s.ep_size)
+                  offload_optimizer=s.offload_optimizer, offload_params=s.offload_params, ep_size=s.ep_size,
+                  checkpoint_policy=s.checkpointing)
     precision = precision_for(device, source, env)
     base = source.config if source.config is not None else ds_config(s, chosen.grad_accum, request.gpu)
     cfg = finalize_ds_config(base, knobs, world.size, precision, pins.get("clipping"))
@@ -398,14 +399,14 @@ def replan_for_knobs(plan: Plan, knobs: Knobs) -> Plan:
     memory and speed figures describe what runs; the plan itself when nothing differs, or when the
     planner refuses the combination (its figures then stay those of the original plan)."""
     s, accum = plan.shown.setup, plan.shown.grad_accum
-    if (knobs.micro_batch_size, knobs.gradient_accumulation_steps, knobs.gradient_checkpointing, knobs.seq_len) == (
-            s.micro_batch_size, accum, s.gradient_checkpointing, s.seq_len):
+    if (knobs.micro_batch_size, knobs.gradient_accumulation_steps, knobs.checkpoint_policy, knobs.seq_len) == (
+            s.micro_batch_size, accum, s.checkpointing, s.seq_len):
         return plan
     offload = "all" if s.offload_params else "optimizer" if s.offload_optimizer else "none"
     request = replace(plan.request, seq_len=knobs.seq_len, min_seq_len=None, zero_stage=s.zero_stage, offload=offload,
                       micro_batch_size=knobs.micro_batch_size, grad_accum=knobs.gradient_accumulation_steps,
                       gradient_checkpointing=knobs.gradient_checkpointing, ep_size=s.ep_size,
-                      checkpointing="full" if knobs.gradient_checkpointing else s.checkpoint_policy or "off",
+                      checkpointing=knobs.checkpoint_policy,
                       global_batch_tokens=knobs.tokens_per_step * plan.request.world_size)
     try:
         return fit(request, suggest=False)
@@ -418,9 +419,8 @@ def with_knobs(plan_json: dict[str, Any], knobs: Knobs) -> dict[str, Any]:
     run section's knobs also hold `block_len`, the run's --seq-len, whose blocks it cuts)."""
     out = dict(plan_json)
     out.update(micro_batch_size=knobs.micro_batch_size, gradient_accumulation_steps=knobs.gradient_accumulation_steps,
-               gradient_checkpointing=knobs.gradient_checkpointing, seq_len=knobs.seq_len)
-    if knobs.gradient_checkpointing:  # the OOM ladder's full checkpointing replaces a selective policy
-        out["checkpointing"] = "full"
+               gradient_checkpointing=knobs.gradient_checkpointing, checkpointing=knobs.checkpoint_policy,
+               seq_len=knobs.seq_len)
     return out
 
 

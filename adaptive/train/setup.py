@@ -167,12 +167,10 @@ def build_model(run: RunPlan, tokenizer: Any, seed: int) -> Any:
         load_init_weights(model, run.init_from)
     elif knobs.ep_size > 1 and config.moe_layers:
         reinit_local_experts(model, seed)
-    if knobs.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif run.plan.shown.setup.checkpoint_policy:  # selective checkpointing the planner chose (mlp, every:N)
+    if knobs.checkpoint_policy != "off":  # full, or selective (mlp, every:N) as planned or pinned
         from adaptive.models.checkpointing import apply_checkpointing
 
-        apply_checkpointing(model, run.plan.shown.setup.checkpoint_policy)
+        apply_checkpointing(model, knobs.checkpoint_policy)
     return model
 
 

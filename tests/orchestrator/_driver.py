@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from adaptive.models.checkpointing import checkpointing_policy
 from adaptive.train.callbacks import Callback
 from adaptive.recipe import main
 from tests.train._driver import Recorder
@@ -47,7 +48,7 @@ class OrchestratorRecorder(Recorder):
     def on_step_end(self, state, control, *, metrics):
         super().on_step_end(state, control, metrics=metrics)
         self.events[-1].update(params=params_hash(state), last_skip=state.last_skip,
-                               tokens_seen=state.tokens_seen)
+                               tokens_seen=state.tokens_seen, policy_in_model=checkpointing_policy(state.model.module))
 
     def on_checkpoint(self, state, control, *, path):
         self._add(state, "on_checkpoint", path=str(path), params=params_hash(state))

@@ -60,8 +60,8 @@ def test_an_oom_halves_the_micro_batch_and_redoes_the_step_with_the_same_tokens(
     assert all(n == 4 for runs_ in rows.values() for n in runs_), rows
     ends = step_ends(events)
     knobs = {e["step"]: (e["knobs"]["micro_batch_size"], e["knobs"]["gradient_accumulation_steps"],
-                         e["knobs"]["gradient_checkpointing"]) for e in ends}
-    assert knobs[4] == (2, 2, False) and knobs[5] == (1, 4, False) and knobs[7] == (1, 4, True)
+                         e["knobs"]["checkpoint_policy"]) for e in ends}
+    assert knobs[4] == (2, 2, "off") and knobs[5] == (1, 4, "off") and knobs[7] == (1, 4, "every:4")
     tokens = [e["tokens_seen"] for e in ends[:10]]
     assert tokens == [256 * s for s in range(1, 11)], "4 samples x 64 tokens per optimizer step, OOM or not"
     assert [r["tokens_seen"] for r in read_records(runs["faulty"], "train")][:10] == tokens
@@ -72,20 +72,20 @@ def test_the_second_oom_turns_on_checkpointing_and_the_plan_files_record_the_kno
     decisions = [e for e in read_records(out, file="events.jsonl") if e["kind"] == "decision" and e["policy"] == "oom"]
     assert [(e["step"], e["action"]) for e in decisions] == [(5, "halve_micro_batch"), (7, "enable_checkpointing")]
     assert decisions[0]["before"]["micro_batch_size"] == 2 and decisions[0]["after"] == {
-        "micro_batch_size": 1, "gradient_accumulation_steps": 4, "gradient_checkpointing": False, "seq_len": 64}
-    assert decisions[1]["after"]["gradient_checkpointing"] is True
+        "micro_batch_size": 1, "gradient_accumulation_steps": 4, "gradient_checkpointing": False,
+        "checkpoint_policy": "off", "seq_len": 64}
+    assert decisions[1]["after"]["checkpoint_policy"] == "every:4", "the first rung of the checkpointing ladder"
     plan = json.loads((out / "plan.json").read_text())
     ds = json.loads((out / "ds_config.json").read_text())
-    assert (plan["micro_batch_size"], plan["gradient_accumulation_steps"], plan["gradient_checkpointing"]) == \
-        (1, 4, True)
-    assert plan["run"]["knobs"]["gradient_checkpointing"] is True
+    assert (plan["micro_batch_size"], plan["gradient_accumulation_steps"], plan["checkpointing"]) == (1, 4, "every:4")
+    assert plan["run"]["knobs"]["checkpoint_policy"] == "every:4" and not plan["gradient_checkpointing"]
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == \
         (1, 4, 4)
     # a checkpoint right after each change, so --resume starts from the working knobs
     checkpoints = [e["step"] for e in recorded_events(out) if e["event"] == "on_checkpoint"]
     assert checkpoints[:3] == [5, 7, 10]
     saved = json.loads((out / "checkpoints" / "step_00000007" / "trainer_state.json").read_text())
-    assert (saved["knobs"]["micro_batch_size"], saved["knobs"]["gradient_checkpointing"]) == (1, True)
+    assert (saved["knobs"]["micro_batch_size"], saved["knobs"]["checkpoint_policy"]) == (1, "every:4")
 
 
 def test_the_final_loss_is_within_noise_of_the_run_without_oom(runs):

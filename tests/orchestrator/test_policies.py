@@ -87,13 +87,44 @@ def test_a_failed_try_does_not_count_twice():
     (8, 2, ("halve_micro_batch", {"micro_batch_size": 4, "gradient_accumulation_steps": 4})),
     (3, 1, ("halve_micro_batch", {"micro_batch_size": 1, "gradient_accumulation_steps": 3})),
     (6, 1, ("halve_micro_batch", {"micro_batch_size": 3, "gradient_accumulation_steps": 2})),
-    (1, 4, ("enable_checkpointing", {"gradient_checkpointing": True})),
+    (1, 4, ("enable_checkpointing", {"checkpoint_policy": "every:4"})),
 ])
 def test_each_rung_keeps_the_global_batch(micro, accum, expected):
     k = knobs(micro=micro, accum=accum)
     action, changes = next_rung(k, OOMConfig())
     assert (action, changes) == expected
     assert k.changed(changes).samples_per_step == k.samples_per_step
+
+
+def test_at_micro_batch_1_each_oom_checkpoints_more_in_the_planners_order_then_halves_the_sequence():
+    config = OOMConfig(min_seq_len=32)
+    k, actions = knobs(micro=1, accum=4, seq=64), []
+    while (rung := next_rung(k, config)) is not None:
+        actions.append((rung[0], k.changed(rung[1]).checkpoint_policy))
+        k = k.changed(rung[1])
+    assert actions == [("enable_checkpointing", "every:4"), ("raise_checkpointing", "every:2"),
+                       ("raise_checkpointing", "mlp"), ("raise_checkpointing", "full"), ("halve_seq_len", "full")]
+    assert k.gradient_checkpointing and k.samples_per_step == knobs(micro=1, accum=4, seq=64).samples_per_step
+    # a run that starts on a policy moves on from it; one outside the ladder goes to full
+    assert next_rung(knobs(micro=1).changed({"checkpoint_policy": "every:2"}), config)[1] == {"checkpoint_policy": "mlp"}
+    assert next_rung(knobs(micro=1).changed({"checkpoint_policy": "every:3"}), config)[1] == {"checkpoint_policy": "full"}
+    assert next_rung(knobs(micro=1), OOMConfig(checkpoint_ladder=["full"]))[1] == {"checkpoint_policy": "full"}
+    assert next_rung(knobs(micro=1), OOMConfig(checkpointing=False)) is None
+
+
+def test_the_checkpoint_policy_knob_and_the_on_off_flag_agree():
+    k = knobs(micro=1)
+    assert (k.checkpoint_policy, k.gradient_checkpointing) == ("off", False)
+    assert k.changed({"gradient_checkpointing": True}).checkpoint_policy == "full"
+    assert k.changed({"checkpoint_policy": "every:1"}).checkpoint_policy == "full"
+    mlp = k.changed({"checkpoint_policy": "mlp"})
+    assert not mlp.gradient_checkpointing and mlp.changed({"gradient_checkpointing": False}).checkpoint_policy == "off"
+    with pytest.raises(AdaptiveError, match="checkpointing policy must be off, full, mlp or every:N"):
+        k.changed({"checkpoint_policy": "attention"})
+    with pytest.raises(ValueError, match="checkpoint_ladder must end with full"):
+        OOMConfig(checkpoint_ladder=("mlp",))
+    with pytest.raises(ValueError, match="checkpoint_ladder: checkpointing policy must be"):
+        OOMConfig(checkpoint_ladder=("every:0", "full"))
 
 
 def test_the_last_rung_halves_the_sequence_live_and_keeps_the_blocks_of_the_step():
@@ -125,7 +156,7 @@ def test_the_oom_policy_records_the_sequence_change_and_asks_for_a_retry():
     event = policy.events.decisions[-1]
     assert (event["step"], event["action"]) == (4, "halve_seq_len")
     assert event["before"] == {"micro_batch_size": 1, "gradient_accumulation_steps": 4, "gradient_checkpointing": True,
-                               "seq_len": 64}
+                               "checkpoint_policy": "full", "seq_len": 64}
     assert event["after"] == {**event["before"], "seq_len": 32, "gradient_accumulation_steps": 8}
     state.knobs = k.changed(control.change_knobs)
     exhausted = Control()
