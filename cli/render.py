@@ -23,6 +23,7 @@ PART_LABELS = {
     "zero3_grad_partition": "ZeRO-3 16-bit gradient partition",
     "optimizer": "optimizer states (fp32 master, m, v)",
     "zero3_live_params": "ZeRO-3 gathered layer",
+    "hpz_secondary_params": "ZeRO++ hpZ secondary 16-bit copy (within the node)",
     "activations": "activations (saved for backward)",
     "logits_and_loss": "loss's fp32 log-softmax (saved)",
     "backward_transient": "backward working set (logit grads / recompute)",
@@ -37,7 +38,8 @@ PART_LABELS = {
 # When each part is alive during a step; the peak sums only parts alive at the same moment.
 PART_WHEN = {
     "params": "whole step", "optimizer": "whole step", "comm_buckets": "whole step",
-    "zero3_grad_partition": "whole step", "grads": "optimizer step", "zero3_live_params": "backward",
+    "zero3_grad_partition": "whole step", "hpz_secondary_params": "whole step",
+    "grads": "optimizer step", "zero3_live_params": "backward",
     "accumulated_grads": "backward",
     "activations": "backward", "logits_and_loss": "backward", "backward_transient": "backward",
     "attention_scores": "backward", "optimizer_transient": "optimizer step", "calibration_correction": "peak",
