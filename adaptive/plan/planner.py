@@ -456,7 +456,8 @@ def ladder(req: FitRequest, chosen: Candidate, global_tokens: int, host_mem: int
     zero = s.zero_stage
     off = "all" if s.offload_params else "optimizer" if s.offload_optimizer else "none"
 
-    base = Layout(tp=s.tp_size, sp=s.sp_size, hpz=s.zero_hpz, qwz=s.zero_quantized_weights,
+    # the naive rung runs without SP (unless pinned): SP is a remedy of its own, before a shorter sequence
+    base = Layout(tp=s.tp_size, sp=req.sp_size or 1, hpz=s.zero_hpz, qwz=s.zero_quantized_weights,
                   qgz=s.zero_quantized_gradients)
 
     def step(change: str, spec: ModelSpec, seq: int, ckpt: bool | str, layout: Layout = base) -> LadderStep:
@@ -465,7 +466,7 @@ def ladder(req: FitRequest, chosen: Candidate, global_tokens: int, host_mem: int
         return LadderStep(change, c.memory.peak_gpu_bytes, c.fits, c.fits_gpu)
 
     spec = req.spec
-    mp = (f", tp {s.tp_size}" if s.tp_size > 1 else "") + (f", sp {s.sp_size}" if s.sp_size > 1 else "")
+    mp = (f", tp {base.tp}" if base.tp > 1 else "") + (f", sp {base.sp}" if base.sp > 1 else "")
     steps = [step(f"naive: micro-batch 1, seq {req.seq_len}, no checkpointing, ZeRO-{zero}"
                   + (f" + offload {off}" if off != "none" else "") + mp, spec, req.seq_len, False)]
     selective = () if req.calibration is not None else SELECTIVE_POLICIES  # calibrated: off and full only
@@ -478,10 +479,11 @@ def ladder(req: FitRequest, chosen: Candidate, global_tokens: int, host_mem: int
     if rung := sp_rung(req, spec, base, lambda lay: step("", spec, req.seq_len, True, lay)):
         remedies.append((f"+ sequence parallel, sp {rung.sp} (the whole sequence kept)", spec, req.seq_len, True,
                          rung))
-    for frac in (0.75, 0.5):
+    for frac in (0.75, 0.5):  # remedies add up: a shorter sequence keeps the SP rung's split
         seq = max(64, int(req.seq_len * frac) // 64 * 64)
         if seq < req.seq_len:
-            remedies.append((f"+ sequence {seq}", spec, seq, True, base))
+            layout = rung if rung and seq % rung.sp == 0 else base
+            remedies.append((f"+ sequence {seq}", spec, seq, True, layout))
     for change, spec, seq, ckpt, layout in remedies:
         s_ = step(change, spec, seq, ckpt, layout)
         # a remedy that no longer lowers the peak (model states dominate) is left out
