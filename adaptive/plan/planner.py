@@ -376,6 +376,25 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
                      fits_host=mem.host_bytes_per_node <= host_mem)
 
 
+# ZeRO++ is taken only for at least this much more speed: qwZ/qgZ quantize what is communicated (int8
+# weights, int4 gradients) and hpZ holds a second copy of the parameters, so a rounding-level gain is not worth it
+ZEROPP_MIN_GAIN = 0.02
+
+
+def _best_of(fitting: list[Candidate]) -> Candidate:
+    best = max(fitting, key=_preference)
+    s = best.setup
+    if not (s.zero_hpz > 1 or s.zero_quantized_weights or s.zero_quantized_gradients):
+        return best
+    plain = [c for c in fitting if c.setup.zero_hpz == 1 and not c.setup.zero_quantized_weights
+             and not c.setup.zero_quantized_gradients]
+    if plain:
+        alt = max(plain, key=_preference)
+        if best.throughput.tokens_per_second < (1 + ZEROPP_MIN_GAIN) * alt.throughput.tokens_per_second:
+            return alt
+    return best
+
+
 def _preference(c: Candidate) -> tuple:
     """Highest predicted throughput; ties go to bigger micro-batches, no offload, more memory headroom,
     lower ZeRO."""
@@ -421,12 +440,14 @@ def search(req: FitRequest, spec: ModelSpec, global_tokens: int, host_mem: int,
                                 else:
                                     if degree > 1:  # a larger micro-batch cannot fit where this one did not
                                         break
-            # once model parallelism is needed, one degree more may pay (less recompute, hidden gathers)
-            if fitting and (degree == 1 or i == len(degrees) - 1 or fitting[0].setup.tp_size *
-                            fitting[0].setup.sp_size < degree):
-                return max(fitting, key=_preference), evaluated
+            # once model parallelism is needed, larger degrees may pay (less recompute, smaller gathers): every
+            # degree inside a node (at most log2 of its GPUs), and beyond it one degree more than the first fit
+            first = fitting[0].setup.tp_size * fitting[0].setup.sp_size if fitting else 0
+            if fitting and (degree == 1 or i == len(degrees) - 1
+                            or (degree >= req.gpus_per_node and first < degree)):
+                return _best_of(fitting), evaluated
         if fitting:
-            return max(fitting, key=_preference), evaluated
+            return _best_of(fitting), evaluated
     return None, evaluated
 
 
