@@ -90,7 +90,7 @@ def layout_error(spec: ModelSpec, layout: Layout, *, world: int, gpus_per_node: 
         if err := sp_heads_error(spec, sp):
             return err
         if seq_len % sp:
-            return f"--seq-len ({seq_len}) must be divisible by --sp-size ({sp}) (ulysses_sp.py:706)"
+            return f"--seq-len ({seq_len}) must be divisible by --sp-size ({sp}) (ulysses_sp.py:707)"
     if spec.is_moe and ep_size and (world // (tp * sp)) % ep_size:
         return (f"ep_size ({ep_size}) must divide the data-parallel size {world // (tp * sp)} "
                 f"(GPUs / (tp x sp)): DeepSpeed MoE builds expert groups inside data-parallel groups")
