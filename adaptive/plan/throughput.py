@@ -226,14 +226,16 @@ def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float
         # before the all-to-all (moe/sharded_moe.py drop_tokens over the tensor-parallel group)
         slots = (setup.tokens_per_micro_batch / (setup.sp_size * setup.tp_size) * s.num_experts_per_tok
                  * setup.capacity_factor)
-        per_layer = 4 * slots * s.hidden_size * b * (setup.ep_size - 1) / setup.ep_size  # 2 fwd + 2 bwd
+        per_layer = 4 * slots * s.hidden_size * b  # 2 fwd + 2 bwd, each the rank's whole dispatched tensor
         passes = 1.0 + 0.5 * recompute_fraction(s, setup.checkpointing)
-        # DeepSpeed builds expert-parallel groups from consecutive ranks: within a node while they fit
-        # DeepSpeed builds expert-parallel groups from consecutive data-parallel ranks: within a node
-        # while ep x tp GPUs fit in it; across nodes NCCL's all-to-all runs at the inter-node share
-        intra_node = setup.ep_size * setup.tp_size <= setup.gpus_per_node
-        gbps = intra_node_gbps(gpu) if intra_node else collective_gbps(gpu, setup)
-        alltoall = passes * per_layer * s.num_moe_layers * grad_accum / (gbps * 1e9)
+        # DeepSpeed builds expert-parallel groups from consecutive data-parallel ranks (every tp-th rank), and
+        # its training path runs one flat NCCL all-to-all (moe/sharded_moe.py:701, no hierarchical variant):
+        # the share to peers in the node goes over NVLink while the rest crosses nodes, at the same time
+        ep = setup.ep_size
+        in_node = min(ep, max(1, setup.gpus_per_node // setup.tp_size))
+        intra = (in_node - 1) / ep * per_layer / (intra_node_gbps(gpu) * 1e9)
+        inter = (ep - in_node) / ep * per_layer / (collective_gbps(gpu, setup) * 1e9) if ep > in_node else 0.0
+        alltoall = passes * max(intra, inter) * s.num_moe_layers * grad_accum
 
     offload = 0.0
     if setup.offload_optimizer:

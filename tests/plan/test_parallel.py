@@ -220,3 +220,17 @@ def test_data_parallel_plans_stay_data_parallel_and_the_search_stays_bounded():
     s = plan.shown.setup
     assert (s.tp_size, s.sp_size, s.zero_hpz) == (1, 1, 1) and plan.searched == 166  # as before issue 12
     assert fit(_405b(), suggest=False).searched < 1000
+
+
+def test_moe_all_to_all_across_nodes_splits_into_nvlink_and_network_shares():
+    gpu = get_gpu("h100-80gb")
+    spec = preset_spec("b7", "moe")
+    s = setup(spec=spec, zero_stage=2, ep_size=16, num_nodes=2, seq_len=2048)
+    t = estimate_throughput(s, gpu, 1)
+    sent = 4 * 2048 * spec.num_experts_per_tok * spec.hidden_size * 2  # 2 fwd + 2 bwd, per layer
+    intra = 7 / 16 * sent / (450e9 * 0.8)
+    inter = 8 / 16 * sent / (50e9 * 0.8)  # 8 x 400 Gb/s NDR per 8-GPU node, at 0.8
+    assert t.alltoall_seconds == pytest.approx(max(intra, inter) * spec.num_moe_layers)
+    # with AutoTP 8 every expert-parallel peer sits in another node, and TP ranks send 1/8 of the tokens each
+    tp = estimate_throughput(replace(s, ep_size=2, tp_size=8, num_nodes=2), gpu, 1)
+    assert tp.alltoall_seconds == pytest.approx(1 / 2 * sent / 8 / (50e9 * 0.8) * spec.num_moe_layers)
