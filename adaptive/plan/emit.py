@@ -115,7 +115,10 @@ def preset_ds_configs() -> dict[str, dict]:
 
 
 def accelerate_config(setup: TrainSetup, ds_config_path: str) -> dict:
-    """accelerate's ClusterConfig fields for a DeepSpeed launch of this setup."""
+    """accelerate's ClusterConfig fields for a DeepSpeed launch of this setup. Tensor and sequence parallel
+    sizes travel in the ds_config (`tensor_parallel.autotp_size`, `sequence_parallel_size`), not in
+    accelerate's `parallelism_config`: `accelerate launch` refuses that without FSDP2
+    (accelerate/commands/launch.py `_validate_launch_command`)."""
     cfg = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "DEEPSPEED",
