@@ -294,23 +294,23 @@ def layout_candidates(req: FitRequest, samples: int) -> list[Layout]:
 
 
 def zeropp_variants(req: FitRequest, zero: int, layout: Layout) -> list[Layout]:
-    """ZeRO++ settings to try with a layout: pinned ones as given; else, with ZeRO-3 across nodes, also hpZ
-    over the node and hpZ with int8 weights and int4 gradients (they only pay when gathers cross nodes)."""
-    pins = (req.zero_hpz, req.zero_quantized_weights, req.zero_quantized_gradients)
+    """ZeRO++ settings to try with a layout: pinned ones as given; free ones, with ZeRO-3 across nodes, also
+    hpZ over the node and int8 weights with int4 gradients (they only pay when gathers cross nodes)."""
     if zero != 3:
         return [layout]
-    if any(p is not None for p in pins):
-        hpz, qw, qg = req.zero_hpz or 1, bool(req.zero_quantized_weights), bool(req.zero_quantized_gradients)
-        return [replace(layout, hpz=hpz, qwz=qw, qgz=qg)]
-    if req.num_nodes == 1:
-        return [layout]
-    hpz = req.gpus_per_node
-    out = [layout]
-    for v in (replace(layout, hpz=hpz), replace(layout, hpz=hpz, qwz=True, qgz=True), replace(layout, qwz=True, qgz=True)):
-        if layout_error(req.spec, v, world=req.world_size, gpus_per_node=req.gpus_per_node, seq_len=req.seq_len,
-                        zero_stage=3, ep_size=req.ep_size) is None:
-            out.append(v)
-    return out
+    across = req.num_nodes > 1
+    hpzs = [req.zero_hpz] if req.zero_hpz is not None else [1, req.gpus_per_node] if across else [1]
+    qw, qg = req.zero_quantized_weights, req.zero_quantized_gradients
+    quants = ([(bool(qw), bool(qg))] if qw is not None or qg is not None
+              else [(False, False), (True, True)] if across else [(False, False)])
+    out = []
+    for hpz in dict.fromkeys(hpzs):
+        for w, g in quants:
+            v = replace(layout, hpz=hpz, qwz=w, qgz=g)
+            if v == layout or layout_error(req.spec, v, world=req.world_size, gpus_per_node=req.gpus_per_node,
+                                           seq_len=req.seq_len, zero_stage=3, ep_size=req.ep_size) is None:
+                out.append(v)
+    return out  # empty: a pinned ZeRO++ setting this layout cannot run (hpZ or qgZ with AutoTP)
 
 
 def zero_offload_candidates(req: FitRequest) -> list[tuple[int, str]]:
@@ -541,6 +541,10 @@ def fit(req: FitRequest, suggest: bool = True) -> Plan:
     host_mem = host_mem_for(req)
     train_tokens = req.train_tokens or CHINCHILLA_TOKENS_PER_PARAM * counts.active
     best, evaluated = search(req, req.spec, global_tokens, host_mem)
+    if not evaluated:
+        raise AdaptiveError(f"no layout DeepSpeed can run takes this batch with the pinned ZeRO++ settings: "
+                            f"{req.global_batch_tokens or global_tokens} tokens need tensor parallelism here, "
+                            "which hpZ and qgZ do not compose with")
     closest = best or min(evaluated, key=_closeness)
     hours = train_hours(train_tokens, closest.throughput.tokens_per_second)
     advice = orchestrator_advice(req.spec, counts, req.world_size, hours)

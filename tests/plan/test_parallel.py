@@ -234,3 +234,17 @@ def test_moe_all_to_all_across_nodes_splits_into_nvlink_and_network_shares():
     # with AutoTP 8 every expert-parallel peer sits in another node, and TP ranks send 1/8 of the tokens each
     tp = estimate_throughput(replace(s, ep_size=2, tp_size=8, num_nodes=2), gpu, 1)
     assert tp.alltoall_seconds == pytest.approx(1 / 2 * sent / 8 / (50e9 * 0.8) * spec.num_moe_layers)
+
+
+def test_zeropp_pins_are_independent_and_steer_the_layout():
+    from adaptive.plan.parallel import Layout
+    from adaptive.plan.planner import zeropp_variants
+
+    req = make_request(model="b7", gpu="h100-80gb", gpus=8, nodes=2, zero_quantize="off")
+    assert {v.hpz for v in zeropp_variants(req, 3, Layout())} == {1, 8}  # quantization off leaves hpZ free
+    assert not any(v.qwz or v.qgz for v in zeropp_variants(req, 3, Layout()))
+    assert zeropp_variants(replace(req, zero_hpz=8), 3, Layout(tp=2)) == []  # hpZ pinned: no AutoTP layout
+    plan = fit(make_request(model="b7", gpu="h100-80gb", gpus=8, nodes=2, global_batch_tokens=16384, zero_hpz=8),
+               suggest=False)
+    s = plan.shown.setup
+    assert plan.fits and s.zero_hpz == 8 and s.tp_size == 1 and s.sp_size == 2  # 8 sequences on 16 GPUs
