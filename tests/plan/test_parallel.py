@@ -248,3 +248,20 @@ def test_zeropp_pins_are_independent_and_steer_the_layout():
                suggest=False)
     s = plan.shown.setup
     assert plan.fits and s.zero_hpz == 8 and s.tp_size == 1 and s.sp_size == 2  # 8 sequences on 16 GPUs
+
+
+def test_a_ds_config_pins_sp_tp_and_zeropp_and_a_contradicting_flag_is_refused(tmp_path):
+    import json
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "sequence_parallel_size": 2,
+                                "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8,
+                                                      "zero_quantized_weights": True}}))
+    req = make_request(model="b7", gpu="h100-80gb", gpus=8, nodes=2, ds_config=str(path))
+    assert (req.sp_size, req.tp_size, req.zero_hpz) == (2, None, 8)
+    assert req.zero_quantized_weights is True and req.zero_quantized_gradients is False
+    with pytest.raises(AdaptiveError, match=r"--sp-size 4 contradicts .*sequence_parallel_size = 2"):
+        make_request(model="b7", gpu="h100-80gb", gpus=8, nodes=2, ds_config=str(path), sp_size=4)
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 8}}))
+    stage2 = make_request(model="b7", gpu="h100-80gb", gpus=8, ds_config=str(path))
+    assert stage2.zero_hpz is None and "zero_optimization.zero_hpz_partition_size" in stage2.ds_config.ignored
