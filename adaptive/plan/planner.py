@@ -415,9 +415,11 @@ def search(req: FitRequest, spec: ModelSpec, global_tokens: int, host_mem: int,
     fitting: list[Candidate] = []
     for seq in sequence_candidates(req):
         seq_req = req if seq == req.seq_len else replace(req, seq_len=seq)
+        runnable = model_parallel_layouts(seq_req)
+        if not runnable:
+            continue  # a pinned --sp-size that this shorter sequence does not divide
         # a default batch smaller than one sequence per GPU grows to one per replica, as with DP alone
-        layouts = (layout_candidates(seq_req, max(1, round(global_tokens / seq)))
-                   or model_parallel_layouts(seq_req)[-1:] or [Layout()])
+        layouts = layout_candidates(seq_req, max(1, round(global_tokens / seq))) or runnable[-1:]
         degrees = sorted({lay.degree for lay in layouts})
         for i, degree in enumerate(degrees):
             for layout in (lay for lay in layouts if lay.degree == degree):
@@ -542,9 +544,8 @@ def fit(req: FitRequest, suggest: bool = True) -> Plan:
     train_tokens = req.train_tokens or CHINCHILLA_TOKENS_PER_PARAM * counts.active
     best, evaluated = search(req, req.spec, global_tokens, host_mem)
     if not evaluated:
-        raise AdaptiveError(f"no layout DeepSpeed can run takes this batch with the pinned ZeRO++ settings: "
-                            f"{req.global_batch_tokens or global_tokens} tokens need tensor parallelism here, "
-                            "which hpZ and qgZ do not compose with")
+        raise AdaptiveError(f"nothing DeepSpeed can run takes these pins: {req.global_batch_tokens or global_tokens} "
+                            "tokens need tensor parallelism here, which the pinned hpZ or qgZ do not compose with")
     closest = best or min(evaluated, key=_closeness)
     hours = train_hours(train_tokens, closest.throughput.tokens_per_second)
     advice = orchestrator_advice(req.spec, counts, req.world_size, hours)
