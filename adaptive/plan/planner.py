@@ -221,9 +221,9 @@ def check_batch_pins(req: FitRequest) -> None:
     samples = max(1, round(req.global_batch_tokens / seq))
     layouts = layout_candidates(req, samples)
     if not layouts:
-        least = max_model_parallel(req)
-        n = req.world_size // least
-        per = f"model replica ({req.world_size} GPUs / tp x sp {least})" if least > 1 else "GPU"
+        largest = max_model_parallel(req)
+        n = req.world_size // largest
+        per = f"model replica ({req.world_size} GPUs / tp x sp {largest})" if largest > 1 else "GPU"
         raise AdaptiveError(f"--global-batch-tokens {req.global_batch_tokens} is less than one sequence of {seq} per "
                             f"{per}: {n} replicas need at least {n * seq}")
     n = req.world_size // layouts[0].degree
@@ -407,9 +407,10 @@ def search(req: FitRequest, spec: ModelSpec, global_tokens: int, host_mem: int,
            ckpts: list[str] | None = None) -> tuple[Candidate | None, list[Candidate]]:
     """The best fitting candidate at the longest sequence that fits, and everything evaluated.
 
-    At each sequence, model-parallel layouts are tried by degree (tp x sp GPUs per replica), fewest first,
-    and the first degree where something fits is kept: data parallel alone when it fits, so the search
-    grows only where DP alone cannot run (the OOM ladder's SP rung comes before a shorter sequence)."""
+    At each sequence, model-parallel layouts are tried by degree (tp x sp GPUs per replica), fewest first:
+    data parallel alone when it fits, so the search grows only where DP alone cannot run (SP and TP come
+    before a shorter sequence, as the OOM ladder's SP rung does). Once a degree above 1 is needed, the
+    larger ones inside a node are tried too, and one beyond the first fit across nodes."""
     ckpts = ckpts or checkpointing_candidates(req)
     evaluated: list[Candidate] = []
     fitting: list[Candidate] = []
@@ -516,9 +517,9 @@ def ladder(req: FitRequest, chosen: Candidate, global_tokens: int, host_mem: int
 
 
 def sp_rung(req: FitRequest, spec: ModelSpec, base: Layout, peak_at) -> Layout | None:
-    """The OOM ladder's sequence-parallel rung, before a shorter sequence: the smallest SP size beyond the
-    chosen one that fits (else the largest DeepSpeed allows here); None where SP cannot apply (pinned,
-    with AutoTP, MoD, or heads that no larger size divides)."""
+    """The OOM ladder's sequence-parallel rung, before a shorter sequence: the smallest SP size that fits at
+    micro-batch 1 with checkpointing (else the largest DeepSpeed allows here); None where SP cannot apply
+    (pinned, with AutoTP, MoD, or heads that no size above 1 divides)."""
     if req.sp_size is not None or base.tp > 1 or spec.is_mod:
         return None
     sizes = [p for p in divisors_up_to(req.world_size, spec.num_attention_heads) if p > base.sp
