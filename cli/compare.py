@@ -63,7 +63,8 @@ def compare(
     for d in dicts:
         off = "" if d["offload"] == "none" else f" off:{d['offload']}"
         plan = (f"Z{d['zero_stage']}{off} mb{d['micro_batch_size']}x{d['gradient_accumulation_steps']}"
-                f"{' ckpt' if d['gradient_checkpointing'] else ''} s{d['seq_len']}")
+                f"{' ckpt' if d['gradient_checkpointing'] else ''} s{d['seq_len']}"
+                f"{' tp' + str(d['tp_size']) if d['tp_size'] > 1 else ''}{' sp' + str(d['sp_size']) if d['sp_size'] > 1 else ''}")
         best = " ".join(n for n, k in (("quality", "best_quality"), ("speed", "best_speed"), ("cost", "best_cost"))
                         if d[k])
         t.add_row(d["model"], d["arch"], f"{d['num_gpus']}x{d['gpu']}", "yes" if d["fits"] else f"[red]no[/red]: {_why_not(d)}",

@@ -23,6 +23,7 @@ PART_LABELS = {
     "zero3_grad_partition": "ZeRO-3 16-bit gradient partition",
     "optimizer": "optimizer states (fp32 master, m, v)",
     "zero3_live_params": "ZeRO-3 gathered layer",
+    "hpz_secondary_params": "ZeRO++ hpZ secondary 16-bit copy (within the node)",
     "activations": "activations (saved for backward)",
     "logits_and_loss": "loss's fp32 log-softmax (saved)",
     "backward_transient": "backward working set (logit grads / recompute)",
@@ -37,7 +38,8 @@ PART_LABELS = {
 # When each part is alive during a step; the peak sums only parts alive at the same moment.
 PART_WHEN = {
     "params": "whole step", "optimizer": "whole step", "comm_buckets": "whole step",
-    "zero3_grad_partition": "whole step", "grads": "optimizer step", "zero3_live_params": "backward",
+    "zero3_grad_partition": "whole step", "hpz_secondary_params": "whole step",
+    "grads": "optimizer step", "zero3_live_params": "backward",
     "accumulated_grads": "backward",
     "activations": "backward", "logits_and_loss": "backward", "backward_transient": "backward",
     "attention_scores": "backward", "optimizer_transient": "optimizer step", "calibration_correction": "peak",
@@ -70,6 +72,13 @@ def bar(value: int, capacity: int, width: int = 30) -> Text:
     return Text("█" * filled + "·" * (width - filled), style="cyan" if value <= capacity else "red")
 
 
+def zeropp(s) -> str:
+    """ "hpZ 8 (secondary copy within the node), qwZ int8 weights, qgZ int4 gradients" """
+    on = [(f"hpZ {s.zero_hpz} (secondary copy within the node)", s.zero_hpz > 1),
+          ("qwZ int8 weight gathers", s.zero_quantized_weights), ("qgZ int4 gradients", s.zero_quantized_gradients)]
+    return ", ".join(k for k, used in on if used)
+
+
 def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
     req, c = p.request, p.shown
     s, t = c.setup, c.throughput
@@ -84,13 +93,21 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
     knobs = Table(title="Plan" if p.fits else "Closest configuration", box=box.SIMPLE_HEAD, show_header=False)
     knobs.add_column(style="bold")
     knobs.add_column()
+    micro_label = "micro-batch per GPU" if s.dp_size == req.world_size else "micro-batch per replica"
     offload = "optimizer + params" if s.offload_params else "optimizer" if s.offload_optimizer else "none"
-    for k, v in (("ZeRO stage", s.zero_stage), ("CPU offload", offload), ("micro-batch per GPU", s.micro_batch_size),
+    for k, v in (("ZeRO stage", s.zero_stage), ("CPU offload", offload), (micro_label, s.micro_batch_size),
                  ("gradient accumulation", c.grad_accum),
-                 ("global batch", f"{human(s.seq_len * s.micro_batch_size * c.grad_accum * req.world_size)} tokens"),
+                 ("global batch", f"{human(s.seq_len * s.micro_batch_size * c.grad_accum * s.dp_size)} tokens"),
                  ("sequence length", s.seq_len), ("activation checkpointing", "on" if s.gradient_checkpointing else "off"),
                  ("expert-parallel size", s.ep_size if spec.is_moe else "-")):
         knobs.add_row(k, str(v))
+    # shown only where used, so data-parallel plans read as before
+    for k, v, used in (("tensor-parallel size (AutoTP)", s.tp_size, s.tp_size > 1),
+                       ("sequence-parallel size (Ulysses)", s.sp_size, s.sp_size > 1),
+                       ("data-parallel replicas", s.dp_size, s.tp_size * s.sp_size > 1),
+                       ("ZeRO++", zeropp(s), s.zero_hpz > 1 or s.zero_quantized_weights or s.zero_quantized_gradients)):
+        if used:
+            knobs.add_row(k, str(v))
     console.print(knobs)
 
     cap = req.gpu.memory_bytes
@@ -144,7 +161,9 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
                   f"{'calibrated' if any('utilisation' in n for n in req.calibrated) else 'assumed; --mfu'}")
     speed.add_row("step time", f"{t.step_seconds:.2f} s (compute {t.compute_seconds:.2f}, comm not hidden "
                   f"{t.comm_seconds:.2f} of {t.comm_total_seconds:.2f}, "
-                  f"all-to-all {t.alltoall_seconds:.2f}, offload {t.offload_seconds:.2f})")
+                  f"all-to-all {t.alltoall_seconds:.2f}, offload {t.offload_seconds:.2f}"
+                  + (f", TP all-reduce {t.tp_allreduce_seconds:.2f}" if s.tp_size > 1 else "")
+                  + (f", SP all-to-all {t.sp_alltoall_seconds:.2f}" if s.sp_size > 1 else "") + ")")
     speed.add_row("training tokens", f"{human(p.train_tokens)}"
                   + ("" if req.train_tokens else " (20 x active params)"))
     speed.add_row("time", duration(p.hours))

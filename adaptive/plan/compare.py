@@ -29,7 +29,8 @@ def compare(models: list[str], archs: list[str], gpu_names: list[str], **request
 # the knobs a request can pin, as (FitRequest field, flag)
 _PINS = (("zero_stage", "--zero"), ("offload", "--offload"), ("micro_batch_size", "--micro-batch"),
          ("grad_accum", "--grad-accum"), ("gradient_checkpointing", "--checkpointing"),
-         ("checkpointing", "--checkpoint-policy"), ("ep_size", "--ep-size"))
+         ("checkpointing", "--checkpoint-policy"), ("ep_size", "--ep-size"), ("tp_size", "--tp-size"),
+         ("sp_size", "--sp-size"), ("zero_hpz", "--zero-hpz"), ("zero_quantized_weights", "--zero-quantize"))
 
 
 def pinned_flags(plan: Plan) -> list[str]:
@@ -83,6 +84,8 @@ def row_dict(row: Row) -> dict:
         "gradient_accumulation_steps": c.grad_accum,
         "seq_len": s.seq_len,
         "gradient_checkpointing": s.gradient_checkpointing,
+        "tp_size": s.tp_size,
+        "sp_size": s.sp_size,
         "peak_gpu_bytes": c.memory.peak_gpu_bytes,
         "gpu_capacity_bytes": p.request.gpu.memory_bytes,
         "host_bytes": c.memory.host_bytes_per_node,

@@ -39,6 +39,9 @@ DATA_FILE = "corpus_runs.json"
 # Tolerances the done-when criteria of issue 10 state (tests/plan/test_corpus.py holds them).
 GPU_HOURS_TOLERANCE = 0.15  # dense models up to 13B
 TOKENS_PER_S_TOLERANCE = 0.20  # runs of our stack's kind
+# Issue 12: Meta's 70B-405B runs at their GPU counts, planned with DeepSpeed's TP/SP/ZeRO++
+LARGE_GPU_HOURS_TOLERANCE = 0.30
+LARGE_GPU_HOURS_RUNS = ("llama2-70b-gpu-hours", "llama3-70b-gpu-hours", "llama3.1-405b-gpu-hours")
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,14 @@ def request_for(entry: dict) -> FitRequest:
         zero, offload, micro, accum, optimizer, global_tokens = merge_ds_pins(
             ds, zero=zero, offload=offload, micro_batch=micro, grad_accum=accum, optimizer=optimizer,
             global_batch_tokens=global_tokens, seq_len=seq)
+    # a run states its layout: data parallel (tp/sp 1, no ZeRO++) unless its knobs say otherwise; Meta's own
+    # 4D-parallel stacks are left to the planner, which has only DeepSpeed's parallelism to offer
+    free = entry["stack_kind"] == "meta"
     return FitRequest(
+        sp_size=k.get("sp_size", None if free else 1), tp_size=k.get("tp_size", None if free else 1),
+        zero_hpz=k.get("zero_hpz", None if free else 1),
+        zero_quantized_weights=k.get("zero_quantized_weights", None if free else False),
+        zero_quantized_gradients=k.get("zero_quantized_gradients", None if free else False),
         spec=spec, gpu=get_gpu(entry["gpu"]), gpus_per_node=entry.get("gpus_per_node", 1),
         num_nodes=entry.get("nodes", 1), seq_len=seq, global_batch_tokens=global_tokens,
         train_tokens=k.get("train_tokens"), zero_stage=zero, offload=offload,
@@ -158,4 +168,4 @@ def is_dense_up_to_13b(entry: dict) -> bool:
 
 
 __all__ = ["Prediction", "load", "predict", "comparisons", "request_for", "spec_for", "is_dense_up_to_13b",
-           "GPU_HOURS_TOLERANCE", "TOKENS_PER_S_TOLERANCE"]
+           "GPU_HOURS_TOLERANCE", "LARGE_GPU_HOURS_RUNS", "LARGE_GPU_HOURS_TOLERANCE", "TOKENS_PER_S_TOLERANCE"]

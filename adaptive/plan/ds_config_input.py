@@ -32,7 +32,9 @@ DS_DEFAULT_PREFETCH_ELEMENTS = 50_000_000  # stage3_prefetch_bucket_size default
 HANDLED = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
            "zero_optimization", "optimizer", "bf16", "fp16", "gradient_clipping", "scheduler",
            "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
-           "zero_force_ds_cpu_optimizer"}
+           "zero_force_ds_cpu_optimizer", "sequence_parallel_size", "tensor_parallel"}
+# ZeRO++ keys: DeepSpeed reads them under ZeRO-3 only (partition_parameters.py, stage3.py)
+ZEROPP_KEYS = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients")
 ZERO_HANDLED = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "allgather_bucket_size",
                 "overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
                 "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
@@ -58,6 +60,12 @@ class DsConfigInput:
     precision: str | None  # bf16 | fp16 | None
     sources: tuple[tuple[str, str], ...] = field(default=())  # (knob, "key = value" that set it)
     ignored: tuple[str, ...] = field(default=())
+    # beyond data parallelism (issue 12); None: free
+    sp_size: int | None = None  # sequence_parallel_size
+    tp_size: int | None = None  # tensor_parallel.autotp_size
+    zero_hpz: int | None = None  # zero_optimization.zero_hpz_partition_size (ZeRO-3)
+    zero_quantized_weights: bool | None = None
+    zero_quantized_gradients: bool | None = None
 
     def overlap_for(self, stage: int) -> bool:
         return self.overlap_comm if self.overlap_comm is not None else stage == 3
@@ -132,7 +140,8 @@ def parse(data: Any, path: str, hidden_size: int) -> DsConfigInput:
     sources: list[tuple[str, str]] = []
     ignored = [k for k in data if k not in HANDLED]
     zero = data.get("zero_optimization", {})
-    ignored += [f"zero_optimization.{k}" for k in zero if k not in ZERO_HANDLED]
+    ignored += [f"zero_optimization.{k}" for k in zero if k not in ZERO_HANDLED
+                and not (k in ZEROPP_KEYS and zero.get("stage") in (3, AUTO))]
 
     stage = None
     if "stage" in zero and zero["stage"] != AUTO:
@@ -209,12 +218,31 @@ def parse(data: Any, path: str, hidden_size: int) -> DsConfigInput:
             optimizer = "deepspeed_fused_adam"
             sources.append(("optimizer", f"optimizer.type = {opt.get('type')}: DeepSpeed FusedAdam"))
 
+    parallel: dict[str, Any] = {}
+    for knob, key, value in (("sp_size", "sequence_parallel_size", data.get("sequence_parallel_size")),
+                             ("tp_size", "tensor_parallel.autotp_size",
+                              (data.get("tensor_parallel") or {}).get("autotp_size"))):
+        if value not in (None, AUTO):
+            v = 1 if value == 0 and knob == "tp_size" else _int(key, value, auto_ok=False)  # autotp_size 0: off
+            parallel[knob] = v
+            sources.append((knob, f"{key} = {value}"))
+    if zero.get("stage") in (3, AUTO):
+        for knob, key in (("zero_hpz", "zero_hpz_partition_size"), ("zero_quantized_weights", "zero_quantized_weights"),
+                          ("zero_quantized_gradients", "zero_quantized_gradients")):
+            if key in zero:
+                if knob == "zero_hpz":  # 0 and 1 both mean no secondary partition
+                    value = 1 if zero[key] == 0 else _int(f"zero_optimization.{key}", zero[key], auto_ok=False)
+                else:
+                    value = bool(zero[key])
+                parallel[knob] = value
+                sources.append((knob, f"zero_optimization.{key} = {zero[key]}"))
+
     bf16, fp16 = _enabled(data.get("bf16")), _enabled(data.get("fp16"))
     precision = "bf16" if bf16 else "fp16" if fp16 else None
     return DsConfigInput(path=path, zero_stage=stage, offload=offload, micro_batch_size=micro, grad_accum=accum,
                          train_batch_size=global_, reduce_bucket_elements=reduce, allgather_bucket_elements=gather,
                          prefetch_bucket_elements=prefetch, overlap_comm=overlap, optimizer=optimizer,
-                         precision=precision, sources=tuple(sources), ignored=tuple(ignored))
+                         precision=precision, sources=tuple(sources), ignored=tuple(ignored), **parallel)
 
 
 def drivers(ds: DsConfigInput, parts: dict[str, int], zero_stage: int) -> list[tuple[str, int, str]]:

@@ -28,7 +28,7 @@ def ds_config(setup: TrainSetup, grad_accum: int, gpu: GPU) -> dict:
     """A DeepSpeed config for one setup. The optimizer and LR schedule are built by the training
     loop (torch AdamW or DeepSpeedCPUAdam under offload, transformers' cosine schedule), so the
     file holds only what DeepSpeed itself must know."""
-    dp = setup.world_size
+    dp = setup.dp_size  # DeepSpeed counts the batch per data-parallel replica (an SP or TP group is one)
     zero: dict = {"stage": setup.zero_stage}
     if setup.zero_stage > 0:
         zero.update(overlap_comm=True, contiguous_gradients=True,
@@ -41,6 +41,13 @@ def ds_config(setup: TrainSetup, grad_accum: int, gpu: GPU) -> dict:
                     stage3_max_reuse_distance=mem.STAGE3_MAX_LIVE_PARAMETERS,
                     stage3_param_persistence_threshold=100_000,
                     stage3_gather_16bit_weights_on_model_save=True)
+        # ZeRO++ (runtime/zero/config.py; read only by ZeRO-3's partitioning and stage3.py)
+        if setup.zero_hpz > 1:
+            zero["zero_hpz_partition_size"] = setup.zero_hpz
+        if setup.zero_quantized_weights:
+            zero["zero_quantized_weights"] = True
+        if setup.zero_quantized_gradients:
+            zero["zero_quantized_gradients"] = True
     if setup.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if setup.offload_params:
@@ -54,6 +61,13 @@ def ds_config(setup: TrainSetup, grad_accum: int, gpu: GPU) -> dict:
         "steps_per_print": 100,
         "wall_clock_breakdown": False,
     }
+    if setup.sp_size > 1:
+        # Ulysses: DeepSpeedConfig divides the world by it when no mpu is given (runtime/config.py:468);
+        # UlyssesSPAttentionHF.register_with_transformers takes the same size
+        cfg["sequence_parallel_size"] = setup.sp_size
+    if setup.tp_size > 1:
+        # AutoTP training (runtime/tensor_parallel/config.py TPTrainingConfig); deepspeed.initialize shards
+        cfg["tensor_parallel"] = {"autotp_size": setup.tp_size}
     if gpu.bf16:
         cfg["bf16"] = {"enabled": True}
     else:
@@ -101,7 +115,10 @@ def preset_ds_configs() -> dict[str, dict]:
 
 
 def accelerate_config(setup: TrainSetup, ds_config_path: str) -> dict:
-    """accelerate's ClusterConfig fields for a DeepSpeed launch of this setup."""
+    """accelerate's ClusterConfig fields for a DeepSpeed launch of this setup. Tensor and sequence parallel
+    sizes travel in the ds_config (`tensor_parallel.autotp_size`, `sequence_parallel_size`), not in
+    accelerate's `parallelism_config`: `accelerate launch` refuses that without FSDP2
+    (accelerate/commands/launch.py `_validate_launch_command`)."""
     cfg = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "DEEPSPEED",
@@ -151,6 +168,12 @@ def candidate_dict(c: Candidate) -> dict:
         "checkpointing": s.checkpointing,  # off | full | a selective policy (mlp, every:N)
         "kernels": s.kernels,
         "ep_size": s.ep_size,
+        "tp_size": s.tp_size,
+        "sp_size": s.sp_size,
+        "dp_size": s.dp_size,
+        "zero_hpz": s.zero_hpz,
+        "zero_quantized_weights": s.zero_quantized_weights,
+        "zero_quantized_gradients": s.zero_quantized_gradients,
         "memory": dict(c.memory.parts),
         "memory_phases": {"persistent": c.memory.persistent_bytes, "backward": c.memory.backward_bytes,
                           "optimizer_step": c.memory.step_bytes, "peak_phase": c.memory.peak_phase},
@@ -168,6 +191,7 @@ def candidate_dict(c: Candidate) -> dict:
         "hardware_flops_per_token": t.hardware_flops_per_token,
         "step_seconds": t.step_seconds,
         "step_breakdown_seconds": {"compute": t.compute_seconds, "data_parallel_comm": t.comm_seconds,
+                                   "tp_allreduce": t.tp_allreduce_seconds, "sp_alltoall": t.sp_alltoall_seconds,
                                    "moe_alltoall": t.alltoall_seconds, "offload": t.offload_seconds},
         "data_parallel_comm_total_seconds": t.comm_total_seconds,
     }
@@ -194,7 +218,7 @@ def plan_dict(plan: Plan) -> dict:
         **candidate_dict(c),
         "gpu_capacity_bytes": req.gpu.memory_bytes,
         "host_capacity_bytes": plan.host_mem_bytes,
-        "global_batch_tokens": c.setup.seq_len * c.setup.micro_batch_size * c.grad_accum * req.world_size,
+        "global_batch_tokens": c.setup.seq_len * c.setup.micro_batch_size * c.grad_accum * c.setup.dp_size,
         "train_tokens": plan.train_tokens,
         "train_hours": plan.hours,
         "price_per_gpu_hour": req.gpu.price_per_hour,
@@ -232,6 +256,14 @@ def ds_config_dict(plan: Plan) -> dict | None:
                        for part, n, why in drivers(ds, c.memory.parts, c.setup.zero_stage)]}
 
 
+PARALLELISM_ASSUMPTIONS = (
+    "data parallel with ZeRO, expert parallel (MoE), AutoTP tensor parallel inside a node, Ulysses sequence "
+    "parallel and ZeRO++, as DeepSpeed 0.19.8 runs them; no pipeline parallelism (so no pipeline bubble): "
+    "DeepSpeed's pipeline engine needs a PipelineModule, which transformers models are not. AutoTP's "
+    "all-reduces and Ulysses' all-to-alls are not overlapped with compute; ZeRO's collectives are, as "
+    "overlap_comm and ZeRO-3 prefetch schedule them (adaptive.plan.throughput)")
+
+
 def assumptions(plan: Plan) -> dict:
     from adaptive.plan import throughput as tp
     from adaptive.plan.hardware import NCCL_BUS_EFFICIENCY, figures
@@ -255,6 +287,7 @@ def assumptions(plan: Plan) -> dict:
         "train_tokens_rule": "given" if plan.request.train_tokens else "20 x active params (Chinchilla)",
         "activations": (f"measured (calibration at seq {plan.request.calibration.seq_len}, scaled per token)"
                         if plan.request.calibration else "formula (adaptive.plan.activations)"),
+        "parallelism": PARALLELISM_ASSUMPTIONS,
     }
 
 

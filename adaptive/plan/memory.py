@@ -20,6 +20,7 @@ from adaptive.plan.activations import (
 from adaptive.plan.attention import eager_extra_saved_bytes, eager_recompute_bytes
 from adaptive.plan.calibration import Calibration
 from adaptive.plan.optimizers import step_transient_bytes
+from adaptive.plan.parallel import tp_activation_factor, tp_sharded_params
 from adaptive.plan.params import ParamCounts, count_params
 from adaptive.plan.presets import ModelSpec
 
@@ -68,6 +69,12 @@ class TrainSetup:
     fp16: bool = False  # fp16 with loss scaling (no bf16 on the GPU): DeepSpeed's FP16_Optimizer at ZeRO-0
     kernels: str = "lean"  # adaptive's lean blocks, or "plain" (transformers' Llama ops): activations.py
     checkpoint_policy: str | None = None  # selective checkpointing ("mlp", "every:N") when not full
+    # beyond data parallelism (parallel.py): GPUs per model replica are tp x sp; ZeRO++ on ZeRO-3
+    tp_size: int = 1  # AutoTP
+    sp_size: int = 1  # Ulysses sequence parallel
+    zero_hpz: int = 1  # zero_hpz_partition_size (1: off)
+    zero_quantized_weights: bool = False
+    zero_quantized_gradients: bool = False
 
     @property
     def checkpointing(self) -> str:
@@ -81,7 +88,19 @@ class TrainSetup:
         return self.gpus_per_node * self.num_nodes
 
     @property
+    def dp_size(self) -> int:
+        """Model replicas: each takes its own sequences; an SP group shares one sequence, a TP group one batch."""
+        return self.world_size // (self.tp_size * self.sp_size)
+
+    @property
+    def zero_group_size(self) -> int:
+        """GPUs ZeRO partitions over: data and sequence parallel ranks hold the same parameters
+        (engine.py: dp_process_group=self.seq_data_parallel_group), TP ranks different shards."""
+        return self.world_size // self.tp_size
+
+    @property
     def tokens_per_micro_batch(self) -> int:
+        """Tokens of one micro-batch of one model replica (its sp x tp GPUs share them)."""
         return self.seq_len * self.micro_batch_size
 
 
@@ -115,7 +134,8 @@ class MemoryEstimate:
     @property
     def model_state_bytes(self) -> int:
         """params + grads + optimizer (+ ZeRO-3 gathered layer): DeepSpeed's estimator's quantity."""
-        return sum(self.parts[k] for k in ("params", "grads", "optimizer", "zero3_live_params"))
+        return sum(self.parts.get(k, 0) for k in ("params", "grads", "optimizer", "zero3_live_params",
+                                                  "hpz_secondary_params"))
 
 
 def _sizes(setup: TrainSetup, c: ParamCounts) -> tuple[float, float]:
@@ -128,6 +148,12 @@ def _sizes(setup: TrainSetup, c: ParamCounts) -> tuple[float, float]:
     dense = c.total - c.expert
     local = dense + c.expert / setup.ep_size
     partition = c.total / setup.world_size
+    if setup.tp_size > 1:
+        # AutoTP shards every linear and embedding (experts' linears too); the norms stay whole on each TP
+        # rank. ZeRO then partitions each rank's share over world/tp GPUs: P/world, plus the norm copies.
+        replicated = c.total - tp_sharded_params(setup.spec, c.total)
+        local = (local - replicated) / setup.tp_size + replicated
+        partition = (c.total + replicated * (setup.tp_size - 1)) / setup.world_size
     return local, partition
 
 
@@ -151,7 +177,7 @@ def model_state_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> d
         params, grads, optim = 2 * local, 6 * partition, 12 * partition
     elif stage == 3:
         params, grads, optim = 2 * partition, 4 * partition, 12 * partition
-        live = 4 * c.largest_layer
+        live = 4 * c.largest_layer / setup.tp_size  # AutoTP shards the largest module too
     else:
         raise ValueError(f"zero_stage must be 0-3, got {stage}")
     if setup.offload_optimizer:
@@ -159,8 +185,11 @@ def model_state_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> d
         grads, optim = 0.0, 0.0
     if setup.offload_params:
         params = 0.0  # ZeRO-3 fetches each layer from host RAM into the gathered-layer buffer
+    # hpZ (ZeRO++): a secondary 16-bit copy of the parameters, partitioned over zero_hpz GPUs of a node,
+    # that backward gathers from within the node (partition_parameters.py _partition_param_sec: param.dtype)
+    secondary = 2 * local / setup.zero_hpz if stage == 3 and setup.zero_hpz > 1 and not setup.offload_params else 0.0
     return {"params": int(params), "grads": int(grads), "optimizer": int(optim),
-            "zero3_live_params": int(live)}
+            "zero3_live_params": int(live), "hpz_secondary_params": int(secondary)}
 
 
 def host_bytes_per_node(setup: TrainSetup, counts: ParamCounts | None = None) -> int:
@@ -173,7 +202,8 @@ def host_bytes_per_node(setup: TrainSetup, counts: ParamCounts | None = None) ->
         per_param = 18 if setup.offload_params else 16
         return int(p * per_param / setup.num_nodes * HOST_BUFFER_FACTOR)
     # ZeRO-1/2 with optimizer offload: max(4 bytes x GPUs, 16) per param on the node
-    return int(p * max(4 * setup.world_size, 16) * HOST_BUFFER_FACTOR / setup.num_nodes)
+    # (with AutoTP: per TP slice of P/tp params over its world/tp GPUs, tp slices)
+    return int(p * max(4 * setup.zero_group_size, 16) * HOST_BUFFER_FACTOR / setup.num_nodes)
 
 
 def reduce_bucket_elements(counts: ParamCounts) -> int:
@@ -220,26 +250,41 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
     parts = model_state_bytes(setup, counts)
     offload = setup.offload_optimizer
     parts["zero3_grad_partition"] = int(2 * partition) if setup.zero_stage == 3 and not offload else 0
-    tokens, ckpt = setup.tokens_per_micro_batch, setup.gradient_checkpointing
+    ckpt = setup.gradient_checkpointing
     policy = setup.checkpointing
     if setup.calibration is not None and policy not in ("off", "full"):
         raise AdaptiveError(f"a calibration file covers checkpointing off and full, not {policy!r}")
+    # Ulysses SP: each rank keeps its 1/sp of the sequence outside attention, and inside it all of the
+    # sequence for heads/sp: activations and the loss are those of seq/sp tokens (SDPA; MoD is refused)
+    sp, tp = setup.sp_size, setup.tp_size
+    local_seq = setup.seq_len // sp
+    tokens = local_seq * setup.micro_batch_size
     if setup.calibration is not None:
         saved = setup.calibration.activation_bytes(tokens, ckpt)
         backward_peak = setup.calibration.backward_bytes(tokens, ckpt)
     else:
-        saved = activation_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, policy, setup.capacity_factor,
+        saved = activation_bytes(setup.spec, local_seq, setup.micro_batch_size, policy, setup.capacity_factor,
                                  setup.kernels)
-        backward_peak = backward_peak_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, policy,
+        backward_peak = backward_peak_bytes(setup.spec, local_seq, setup.micro_batch_size, policy,
                                             setup.capacity_factor, setup.kernels)
+    if tp > 1:
+        # AutoTP: the layers' activations inside the sharded matmuls split tp ways (parallel.py); the
+        # column-parallel lm_head gathers its output, so the loss keeps whole-vocabulary logits
+        loss_part = min(saved, tokens * loss_saved_bytes_per_token(setup.spec, setup.kernels))
+        layers = saved - loss_part
+        extra = backward_peak - saved
+        saved = int(layers * tp_activation_factor(tp)) + loss_part
+        backward_peak = saved + extra
     # Eager attention: its score-sized tensors (attention.py), kept by the blocks that are not checkpointed,
     # recomputed one layer at a time by those that are (the mlp policy keeps attention)
     scores_saved = scores_recompute = 0
     if setup.attention == "eager":
         kept = 0.0 if policy == "full" else 1 - 1 / int(policy.split(":")[1]) if policy.startswith("every:") else 1.0
+        # score-sized tensors span the whole sequence for heads/sp (Ulysses) or heads/tp (AutoTP)
+        split = sp * tp
         if kept < 1:
-            scores_recompute = eager_recompute_bytes(setup.spec, setup.seq_len, setup.micro_batch_size)
-        scores_saved = int(kept * eager_extra_saved_bytes(setup.spec, setup.seq_len, setup.micro_batch_size))
+            scores_recompute = eager_recompute_bytes(setup.spec, setup.seq_len, setup.micro_batch_size) // split
+        scores_saved = int(kept * eager_extra_saved_bytes(setup.spec, setup.seq_len, setup.micro_batch_size) / split)
     parts["attention_scores"] = scores_saved
     if setup.kernels == "plain":
         # the loss keeps its fp32 log-softmax for backward; its backward working set is in the transient
@@ -278,7 +323,7 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
     parts["accumulated_grads"] = held
     buckets_backward = reduce_bucket_bytes(setup, counts)  # ZeRO-1/2 reduce buckets: backward only
     persistent = (parts["params"] + parts["optimizer"] + parts["comm_buckets"] - buckets_backward
-                  + parts["zero3_grad_partition"] + grads_persistent)
+                  + parts["zero3_grad_partition"] + parts["hpz_secondary_params"] + grads_persistent)
     backward = (parts["activations"] + parts["attention_scores"] + parts["logits_and_loss"]
                 + parts["backward_transient"] + parts["zero3_live_params"] + held + buckets_backward)
     if setup.zero_stage == 0 and not offload and not held:

@@ -15,6 +15,7 @@ from adaptive.plan.calibration import Calibration
 from adaptive.plan.ds_config_input import DsConfigInput
 from adaptive.plan.gpus import CATALOG, GPU
 from adaptive.plan.memory import MemoryEstimate, TrainSetup, estimate_memory
+from adaptive.plan.parallel import Layout, divisors_up_to, layout_error
 from adaptive.plan.params import ParamCounts, count_params
 from adaptive.plan.presets import PRESETS, ModelSpec, spec_from_shape
 from adaptive.plan.run_calibration import corrected
@@ -204,30 +205,44 @@ def validate(req: FitRequest) -> None:
                 raise AdaptiveError(f"the number of GPUs ({req.world_size}) must be divisible by ep_size ({req.ep_size})")
     elif req.ep_size not in (None, 1):
         raise AdaptiveError(f"--ep-size {req.ep_size} needs an MoE model; {s.name} {s.arch} has no experts")
+    for name, value in (("--sp-size", req.sp_size), ("--tp-size", req.tp_size), ("--zero-hpz", req.zero_hpz)):
+        require_positive(name, value)
+    pinned = Layout(tp=req.tp_size or 1, sp=req.sp_size or 1, hpz=req.zero_hpz or 1,
+                    qwz=bool(req.zero_quantized_weights), qgz=bool(req.zero_quantized_gradients))
+    if err := layout_error(s, pinned, world=req.world_size, gpus_per_node=req.gpus_per_node, seq_len=req.seq_len,
+                           zero_stage=req.zero_stage, ep_size=req.ep_size):
+        raise AdaptiveError(err)
 
 
 def check_batch_pins(req: FitRequest) -> None:
     """A --global-batch-tokens the user gave must be what the pinned micro-batch and accumulation make
     (at the requested sequence): one sequence per GPU at least, and split evenly."""
-    seq, n = req.seq_len, req.world_size
+    seq = req.seq_len
     samples = max(1, round(req.global_batch_tokens / seq))
-    if samples < n:
+    layouts = layout_candidates(req, samples)
+    if not layouts:
+        largest = max_model_parallel(req)
+        n = req.world_size // largest
+        per = f"model replica ({req.world_size} GPUs / tp x sp {largest})" if largest > 1 else "GPU"
         raise AdaptiveError(f"--global-batch-tokens {req.global_batch_tokens} is less than one sequence of {seq} per "
-                            f"GPU ({n} GPUs need at least {n * seq})")
+                            f"{per}: {n} replicas need at least {n * seq}")
+    n = req.world_size // layouts[0].degree
     micro, accum = req.micro_batch_size, req.grad_accum
     if micro and accum:
         if micro * accum * n != samples:
             raise AdaptiveError(
-                f"--micro-batch {micro} x --grad-accum {accum} x {n} GPUs x --seq-len {seq} = "
+                f"--micro-batch {micro} x --grad-accum {accum} x {n} {'GPUs' if n == req.world_size else 'replicas'} "
+                f"x --seq-len {seq} = "
                 f"{micro * accum * n * seq} tokens, not --global-batch-tokens {req.global_batch_tokens}; "
                 f"drop one of them or make them agree")
         return
     for flag, value in (("--micro-batch", micro), ("--grad-accum", accum)):
         if value and (samples % n or (samples // n) % value):
             per_gpu = samples / n
+            where = "GPU" if n == req.world_size else "model replica"
             raise AdaptiveError(
                 f"{flag} {value} cannot keep --global-batch-tokens {req.global_batch_tokens}: that is "
-                f"{per_gpu:g} sequences of {seq} per GPU ({n} GPUs), which {value} does not divide")
+                f"{per_gpu:g} sequences of {seq} per {where} ({n} {where}s), which {value} does not divide")
 
 
 def sequence_candidates(req: FitRequest) -> list[int]:
@@ -254,8 +269,54 @@ def ep_candidates(req: FitRequest) -> list[int]:
             if s.num_local_experts % e == 0 and req.world_size % e == 0]
 
 
+def _layout_ok(req: FitRequest, layout: Layout) -> bool:
+    return layout_error(req.spec, layout, world=req.world_size, gpus_per_node=req.gpus_per_node,
+                        seq_len=req.seq_len, zero_stage=req.zero_stage, ep_size=req.ep_size) is None
+
+
+def model_parallel_layouts(req: FitRequest) -> list[Layout]:
+    """(tp, sp) layouts DeepSpeed can run here, fewest GPUs per replica first; pinned sizes are kept.
+    TP stays inside a node; SP up to the attention heads' limit (parallel.py)."""
+    tps = [req.tp_size] if req.tp_size else divisors_up_to(req.gpus_per_node, req.gpus_per_node)
+    sps = [req.sp_size] if req.sp_size else divisors_up_to(req.world_size, req.spec.num_attention_heads)
+    out = [Layout(tp=t, sp=p) for t in tps for p in sps if _layout_ok(req, Layout(tp=t, sp=p))]
+    return sorted(out, key=lambda lay: (lay.degree, lay.sp))  # TP first at a degree: intra-node by construction
+
+
+def max_model_parallel(req: FitRequest) -> int:
+    layouts = model_parallel_layouts(req)
+    return max(lay.degree for lay in layouts) if layouts else 1
+
+
+def layout_candidates(req: FitRequest, samples: int) -> list[Layout]:
+    """Layouts whose replicas get at least one sequence of the global batch each."""
+    return [lay for lay in model_parallel_layouts(req) if req.world_size // lay.degree <= samples]
+
+
+def zeropp_variants(req: FitRequest, zero: int, layout: Layout) -> list[Layout]:
+    """ZeRO++ settings to try with a layout: pinned ones as given; free ones, with ZeRO-3 across nodes, also
+    hpZ over the node and int8 weights with int4 gradients (they only pay when gathers cross nodes)."""
+    if zero != 3:
+        return [layout]
+    across = req.num_nodes > 1
+    hpzs = [req.zero_hpz] if req.zero_hpz is not None else [1, req.gpus_per_node] if across else [1]
+    qw, qg = req.zero_quantized_weights, req.zero_quantized_gradients
+    quants = ([(bool(qw), bool(qg))] if qw is not None or qg is not None
+              else [(False, False), (True, True)] if across else [(False, False)])
+    out = []
+    for hpz in dict.fromkeys(hpzs):
+        for w, g in quants:
+            v = replace(layout, hpz=hpz, qwz=w, qgz=g)
+            if v == layout or layout_error(req.spec, v, world=req.world_size, gpus_per_node=req.gpus_per_node,
+                                           seq_len=req.seq_len, zero_stage=3, ep_size=req.ep_size) is None:
+                out.append(v)
+    return out  # empty: a pinned ZeRO++ setting this layout cannot run (hpZ or qgZ with AutoTP)
+
+
 def zero_offload_candidates(req: FitRequest) -> list[tuple[int, str]]:
     stages = [req.zero_stage] if req.zero_stage is not None else [0, 1, 2, 3]
+    if (req.zero_hpz or 1) > 1 or req.zero_quantized_weights or req.zero_quantized_gradients:
+        stages = [3]  # ZeRO++ pinned: only ZeRO-3 runs it
     if req.spec.is_moe:
         stages = [z for z in stages if z != 3]
     out = []
@@ -271,16 +332,16 @@ def zero_offload_candidates(req: FitRequest) -> list[tuple[int, str]]:
     return out
 
 
-def grad_accum_for(req: FitRequest, global_tokens: int, seq: int, micro: int) -> int:
+def grad_accum_for(req: FitRequest, global_tokens: int, seq: int, micro: int, replicas: int | None = None) -> int:
     samples = max(1, round(global_tokens / seq))
-    per_rank = samples / req.world_size
+    per_rank = samples / (replicas or req.world_size)
     return max(1, math.ceil(per_rank / micro))
 
 
-def micro_batch_candidates(req: FitRequest, global_tokens: int, seq: int) -> list[int]:
+def micro_batch_candidates(req: FitRequest, global_tokens: int, seq: int, replicas: int | None = None) -> list[int]:
     if req.micro_batch_size is not None:
         return [req.micro_batch_size]
-    per_rank = max(1, math.ceil(global_tokens / seq / req.world_size))
+    per_rank = max(1, math.ceil(global_tokens / seq / (replicas or req.world_size)))
     if req.grad_accum is not None:
         return [max(1, math.ceil(per_rank / req.grad_accum))]
     out, m = [], 1
@@ -291,9 +352,9 @@ def micro_batch_candidates(req: FitRequest, global_tokens: int, seq: int) -> lis
 
 
 def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, offload: str,
-             ckpt: bool | str, ep: int, global_tokens: int, host_mem: int) -> Candidate:
+             ckpt: bool | str, ep: int, global_tokens: int, host_mem: int, layout: Layout = Layout()) -> Candidate:
     """`ckpt`: False/True (off/full) or a checkpointing policy."""
-    accum = req.grad_accum or grad_accum_for(req, global_tokens, seq, micro)
+    accum = req.grad_accum or grad_accum_for(req, global_tokens, seq, micro, req.world_size // layout.degree)
     policy = ("full" if ckpt else "off") if isinstance(ckpt, bool) else ckpt
     ds = req.ds_config
     buckets = {} if ds is None else dict(
@@ -305,7 +366,9 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
                        num_nodes=req.num_nodes, ep_size=ep, capacity_factor=req.capacity_factor,
                        calibration=req.calibration, gradient_accumulation_steps=accum, optimizer=req.optimizer,
                        attention=req.attention, fp16=not req.gpu.bf16, kernels=req.kernels,
-                       checkpoint_policy=None if policy in ("off", "full") else policy, **buckets)
+                       checkpoint_policy=None if policy in ("off", "full") else policy, tp_size=layout.tp,
+                       sp_size=layout.sp, zero_hpz=layout.hpz, zero_quantized_weights=layout.qwz,
+                       zero_quantized_gradients=layout.qgz, **buckets)
     mem = corrected(estimate_memory(setup), req.peak_correction)
     tp = estimate_throughput(setup, req.gpu, accum, req.mfu)
     return Candidate(setup=setup, memory=mem, throughput=tp,
@@ -313,34 +376,81 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
                      fits_host=mem.host_bytes_per_node <= host_mem)
 
 
+# ZeRO++ is taken only for at least this much more speed: qwZ/qgZ quantize what is communicated (int8
+# weights, int4 gradients) and hpZ holds a second copy of the parameters, so a rounding-level gain is not worth it
+ZEROPP_MIN_GAIN = 0.02
+
+
+def _best_of(fitting: list[Candidate]) -> Candidate:
+    best = max(fitting, key=_preference)
+    s = best.setup
+    if not (s.zero_hpz > 1 or s.zero_quantized_weights or s.zero_quantized_gradients):
+        return best
+    plain = [c for c in fitting if c.setup.zero_hpz == 1 and not c.setup.zero_quantized_weights
+             and not c.setup.zero_quantized_gradients]
+    if plain:
+        alt = max(plain, key=_preference)
+        if best.throughput.tokens_per_second < (1 + ZEROPP_MIN_GAIN) * alt.throughput.tokens_per_second:
+            return alt
+    return best
+
+
 def _preference(c: Candidate) -> tuple:
     """Highest predicted throughput; ties go to bigger micro-batches, no offload, more memory headroom,
     lower ZeRO."""
     s = c.setup
     return (round(c.throughput.tokens_per_second, 6), s.micro_batch_size, not s.offload_optimizer,
-            -c.memory.peak_gpu_bytes, -s.zero_stage, -s.ep_size)
+            -c.memory.peak_gpu_bytes, -s.zero_stage, -s.ep_size, -s.tp_size * s.sp_size, -s.zero_hpz)
 
 
 def search(req: FitRequest, spec: ModelSpec, global_tokens: int, host_mem: int,
            ckpts: list[str] | None = None) -> tuple[Candidate | None, list[Candidate]]:
-    """The best fitting candidate at the longest sequence that fits, and everything evaluated."""
+    """The best fitting candidate at the longest sequence that fits, and everything evaluated.
+
+    At each sequence, model-parallel layouts are tried by degree (tp x sp GPUs per replica), fewest first:
+    data parallel alone when it fits, so the search grows only where DP alone cannot run (SP and TP come
+    before a shorter sequence, as the OOM ladder's SP rung does). Once a degree above 1 is needed, the
+    larger ones inside a node are tried too, and one beyond the first fit across nodes."""
     ckpts = ckpts or checkpointing_candidates(req)
     evaluated: list[Candidate] = []
+    fitting: list[Candidate] = []
     for seq in sequence_candidates(req):
-        fitting = []
-        for zero, off in zero_offload_candidates(req):
-            for ep in ep_candidates(req):
-                for micro in micro_batch_candidates(req, global_tokens, seq):
-                    # cheapest recompute first: at the same settings more recompute only costs time, so
-                    # the first policy that fits is the only one worth keeping
-                    for ckpt in ckpts:
-                        c = evaluate(req, spec, seq, micro, zero, off, ckpt, ep, global_tokens, host_mem)
-                        evaluated.append(c)
-                        if c.fits:
-                            fitting.append(c)
-                            break
+        seq_req = req if seq == req.seq_len else replace(req, seq_len=seq)
+        runnable = model_parallel_layouts(seq_req)
+        if not runnable:
+            continue  # a pinned --sp-size that this shorter sequence does not divide
+        # a default batch smaller than one sequence per GPU grows to one per replica, as with DP alone
+        layouts = layout_candidates(seq_req, max(1, round(global_tokens / seq))) or runnable[-1:]
+        degrees = sorted({lay.degree for lay in layouts})
+        for i, degree in enumerate(degrees):
+            for layout in (lay for lay in layouts if lay.degree == degree):
+                replicas = req.world_size // degree
+                for zero, off in zero_offload_candidates(req):
+                    for variant in zeropp_variants(req, zero, layout):
+                        for ep in ep_candidates(req):
+                            if spec.is_moe and replicas % ep:
+                                continue
+                            for micro in micro_batch_candidates(req, global_tokens, seq, replicas):
+                                # cheapest recompute first: at the same settings more recompute only costs
+                                # time, so the first policy that fits is the only one worth keeping
+                                for ckpt in ckpts:
+                                    c = evaluate(req, spec, seq, micro, zero, off, ckpt, ep, global_tokens,
+                                                 host_mem, variant)
+                                    evaluated.append(c)
+                                    if c.fits:
+                                        fitting.append(c)
+                                        break
+                                else:
+                                    if degree > 1:  # a larger micro-batch cannot fit where this one did not
+                                        break
+            # once model parallelism is needed, larger degrees may pay (less recompute, smaller gathers): every
+            # degree inside a node (at most log2 of its GPUs), and beyond it one degree more than the first fit
+            first = fitting[0].setup.tp_size * fitting[0].setup.sp_size if fitting else 0
+            if fitting and (degree == 1 or i == len(degrees) - 1
+                            or (degree >= req.gpus_per_node and first < degree)):
+                return _best_of(fitting), evaluated
         if fitting:
-            return max(fitting, key=_preference), evaluated
+            return _best_of(fitting), evaluated
     return None, evaluated
 
 
@@ -370,29 +480,55 @@ def ladder(req: FitRequest, chosen: Candidate, global_tokens: int, host_mem: int
     zero = s.zero_stage
     off = "all" if s.offload_params else "optimizer" if s.offload_optimizer else "none"
 
-    def step(change: str, spec: ModelSpec, seq: int, ckpt: bool | str) -> LadderStep:
-        c = evaluate(req, spec, seq, 1, zero, off, ckpt, s.ep_size if spec.is_moe else 1, global_tokens, host_mem)
+    # the naive rung runs without SP (unless pinned): SP is a remedy of its own, before a shorter sequence
+    base = Layout(tp=s.tp_size, sp=req.sp_size or 1, hpz=s.zero_hpz, qwz=s.zero_quantized_weights,
+                  qgz=s.zero_quantized_gradients)
+
+    def step(change: str, spec: ModelSpec, seq: int, ckpt: bool | str, layout: Layout = base) -> LadderStep:
+        c = evaluate(req, spec, seq, 1, zero, off, ckpt, s.ep_size if spec.is_moe else 1, global_tokens, host_mem,
+                     layout)
         return LadderStep(change, c.memory.peak_gpu_bytes, c.fits, c.fits_gpu)
 
     spec = req.spec
+    mp = (f", tp {base.tp}" if base.tp > 1 else "") + (f", sp {base.sp}" if base.sp > 1 else "")
     steps = [step(f"naive: micro-batch 1, seq {req.seq_len}, no checkpointing, ZeRO-{zero}"
-                  + (f" + offload {off}" if off != "none" else ""), spec, req.seq_len, False)]
+                  + (f" + offload {off}" if off != "none" else "") + mp, spec, req.seq_len, False)]
     selective = () if req.calibration is not None else SELECTIVE_POLICIES  # calibrated: off and full only
     remedies = [(f"+ selective checkpointing ({policy})", spec, req.seq_len, policy) for policy in selective]
     remedies.append(("+ gradient checkpointing", spec, req.seq_len, True))
     if spec.is_moe and spec.name in PRESETS:
         spec = spec_from_shape(PRESETS[spec.name], "mod")
         remedies.append(("+ MoD instead of MoE", spec, req.seq_len, True))
-    for frac in (0.75, 0.5):
+    remedies = [(*r, base) for r in remedies]
+    if rung := sp_rung(req, spec, base, lambda lay: step("", spec, req.seq_len, True, lay)):
+        remedies.append((f"+ sequence parallel, sp {rung.sp} (the whole sequence kept)", spec, req.seq_len, True,
+                         rung))
+    for frac in (0.75, 0.5):  # remedies add up: a shorter sequence keeps the SP rung's split
         seq = max(64, int(req.seq_len * frac) // 64 * 64)
         if seq < req.seq_len:
-            remedies.append((f"+ sequence {seq}", spec, seq, True))
-    for change, spec, seq, ckpt in remedies:
-        s_ = step(change, spec, seq, ckpt)
+            layout = rung if rung and seq % rung.sp == 0 else base
+            remedies.append((f"+ sequence {seq}", spec, seq, True, layout))
+    for change, spec, seq, ckpt, layout in remedies:
+        s_ = step(change, spec, seq, ckpt, layout)
         # a remedy that no longer lowers the peak (model states dominate) is left out
         if s_.peak_gpu_bytes < steps[-1].peak_gpu_bytes:
             steps.append(s_)
     return tuple(steps)
+
+
+def sp_rung(req: FitRequest, spec: ModelSpec, base: Layout, peak_at) -> Layout | None:
+    """The OOM ladder's sequence-parallel rung, before a shorter sequence: the smallest SP size that fits at
+    micro-batch 1 with checkpointing (else the largest DeepSpeed allows here); None where SP cannot apply
+    (pinned, with AutoTP, MoD, or heads that no size above 1 divides)."""
+    if req.sp_size is not None or base.tp > 1 or spec.is_mod:
+        return None
+    sizes = [p for p in divisors_up_to(req.world_size, spec.num_attention_heads) if p > base.sp
+             and layout_error(spec, replace(base, sp=p), world=req.world_size, gpus_per_node=req.gpus_per_node,
+                              seq_len=req.seq_len, zero_stage=req.zero_stage, ep_size=req.ep_size) is None]
+    for p in sizes:
+        if peak_at(replace(base, sp=p)).fits:
+            return replace(base, sp=p)
+    return replace(base, sp=sizes[-1]) if sizes else None
 
 
 def fit(req: FitRequest, suggest: bool = True) -> Plan:
@@ -408,21 +544,29 @@ def fit(req: FitRequest, suggest: bool = True) -> Plan:
     host_mem = host_mem_for(req)
     train_tokens = req.train_tokens or CHINCHILLA_TOKENS_PER_PARAM * counts.active
     best, evaluated = search(req, req.spec, global_tokens, host_mem)
+    if not evaluated:
+        raise AdaptiveError(f"nothing DeepSpeed can run takes these pins: {req.global_batch_tokens or global_tokens} "
+                            "tokens need tensor parallelism here, which the pinned hpZ or qgZ do not compose with")
     closest = best or min(evaluated, key=_closeness)
     hours = train_hours(train_tokens, closest.throughput.tokens_per_second)
     advice = orchestrator_advice(req.spec, counts, req.world_size, hours)
-    suggestions = what_would_fit(req, global_tokens) if suggest and not best else ()
+    suggestions = what_would_fit(req, global_tokens, evaluated) if suggest and not best else ()
     return Plan(request=req, counts=counts, best=best, closest=closest,
                 ladder=ladder(req, closest, global_tokens, host_mem), train_tokens=train_tokens,
                 global_batch_tokens=global_tokens, host_mem_bytes=host_mem, orchestrator=advice,
                 suggestions=suggestions, searched=len(evaluated))
 
 
-def what_would_fit(req: FitRequest, global_tokens: int) -> tuple[str, ...]:
-    """When nothing fits: more GPUs of this type, a larger GPU, MoD instead of MoE, a shorter sequence."""
+def what_would_fit(req: FitRequest, global_tokens: int,
+                   evaluated: list[Candidate] | None = None) -> tuple[str, ...]:
+    """When nothing fits: more GPUs of this type, a larger GPU, MoD instead of MoE, a shorter sequence.
+    `evaluated`: the request's own search, when the caller has it (saves running it again)."""
     out = []
+    gpu_only = [c for c in (evaluated if evaluated is not None else search_all(req, global_tokens)) if c.fits_gpu]
     free = replace(req, zero_stage=None, offload=None, micro_batch_size=None, grad_accum=None,
-                   gradient_checkpointing=None, checkpointing=None, ep_size=None, min_seq_len=None)
+                   gradient_checkpointing=None, checkpointing=None, ep_size=None, min_seq_len=None,
+                   tp_size=None, zero_hpz=None, zero_quantized_weights=None, zero_quantized_gradients=None,
+                   sp_size=req.sp_size or 1)  # hints search TP, not SP: the ladder shows the SP rung
     for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
         if n <= req.world_size:
             continue
@@ -452,11 +596,11 @@ def what_would_fit(req: FitRequest, global_tokens: int) -> tuple[str, ...]:
     if spec.is_moe and spec.name in PRESETS:
         if best := _best(replace(free, spec=spec_from_shape(PRESETS[spec.name], "mod")), global_tokens):
             out.append(f"MoD instead of MoE (--arch mod): {describe(best)}")
-    for seq in (req.seq_len * 3 // 4, req.seq_len // 2, req.seq_len // 4, 512, 256):
+    # a shorter sequence shrinks GPU activations only: no help where the GPU side already fits (host-bound)
+    for seq in () if gpu_only else (req.seq_len * 3 // 4, req.seq_len // 2, req.seq_len // 4, 512, 256):
         if 64 <= seq < req.seq_len and (best := _best(replace(free, seq_len=seq), global_tokens)):
             out.append(f"a shorter sequence, --seq-len {seq}: {describe(best)}")
             break
-    gpu_only = [c for c in search_all(req, global_tokens) if c.fits_gpu]
     if gpu_only:
         need = min(c.memory.host_bytes_per_node for c in gpu_only)
         out.append(f"CPU offload on a host with {math.ceil(need / 2**30)} GiB of RAM per node (--host-mem)")
@@ -481,7 +625,11 @@ def describe(c: Candidate) -> str:
     off = " + offload all" if s.offload_params else " + offload optimizer" if s.offload_optimizer else ""
     ckpt = {"off": "", "full": ", checkpointing"}.get(s.checkpointing, f", selective checkpointing {s.checkpointing}")
     ep = f", ep_size {s.ep_size}" if s.spec.is_moe else ""
-    return (f"ZeRO-{s.zero_stage}{off}, micro-batch {s.micro_batch_size} x {c.grad_accum} accumulation{ckpt}{ep}, "
+    mp = (f", tp {s.tp_size}" if s.tp_size > 1 else "") + (f", sp {s.sp_size}" if s.sp_size > 1 else "")
+    pp = ", ".join(k for k, on in ((f"hpZ {s.zero_hpz}", s.zero_hpz > 1), ("qwZ", s.zero_quantized_weights),
+                                   ("qgZ", s.zero_quantized_gradients)) if on)
+    mp += f", ZeRO++ {pp}" if pp else ""
+    return (f"ZeRO-{s.zero_stage}{off}, micro-batch {s.micro_batch_size} x {c.grad_accum} accumulation{ckpt}{ep}{mp}, "
             f"peak {c.memory.peak_gpu_bytes / 2**30:.1f} GiB")
 
 

@@ -68,6 +68,7 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         merged = merge_ds_pins(ds, zero=zero, offload=offload, micro_batch=micro_batch, grad_accum=grad_accum,
                                optimizer=optimizer, global_batch_tokens=global_batch_tokens, seq_len=seq_len)
         zero, offload, micro_batch, grad_accum, optimizer, global_batch_tokens = merged
+        sp_size, tp_size, zero_hpz, zero_quantize = merge_parallel_pins(ds, sp_size, tp_size, zero_hpz, zero_quantize)
     activations, run, source = None, None, None
     if calibrate:
         source = f"{'run folder' if Path(calibrate).is_dir() else 'calibration file'} {calibrate}"
@@ -134,6 +135,27 @@ def merge_ds_pins(ds: DsConfigInput, *, zero: int | None, offload: str | None, m
     return (zero if zero is not None else ds.zero_stage, offload if offload is not None else ds.offload,
             micro_batch or ds.micro_batch_size, grad_accum or ds.grad_accum, optimizer or ds.optimizer,
             global_batch_tokens)
+
+
+def merge_parallel_pins(ds: DsConfigInput, sp_size: int | None, tp_size: int | None, zero_hpz: int | None,
+                        zero_quantize: str | None) -> tuple:
+    """The file's SP, TP and ZeRO++ settings fill the flags left free; a flag that contradicts the file is
+    an error. Returns (sp_size, tp_size, zero_hpz, zero_quantize)."""
+    sources = dict(ds.sources)
+    file_quant = None
+    if ds.zero_quantized_weights is not None or ds.zero_quantized_gradients is not None:
+        w, g = bool(ds.zero_quantized_weights), bool(ds.zero_quantized_gradients)
+        file_quant = "both" if w and g else "weights" if w else "gradients" if g else "off"
+    pins = {"--sp-size": (sp_size, ds.sp_size, "sp_size"), "--tp-size": (tp_size, ds.tp_size, "tp_size"),
+            "--zero-hpz": (zero_hpz, ds.zero_hpz, "zero_hpz"),
+            "--zero-quantize": (zero_quantize, file_quant, "zero_quantized_weights")}
+    for flag, (given, pinned, knob) in pins.items():
+        if given is not None and pinned is not None and given != pinned:
+            raise AdaptiveError(f"{flag} {given} contradicts {ds.path} ({sources.get(knob, pinned)}); "
+                                "drop the flag or edit the file")
+    return (sp_size if sp_size is not None else ds.sp_size, tp_size if tp_size is not None else ds.tp_size,
+            zero_hpz if zero_hpz is not None else ds.zero_hpz,
+            zero_quantize if zero_quantize is not None else file_quant)
 
 
 def load_ds_config(path: str, hidden_size: int) -> DsConfigInput:

@@ -23,6 +23,8 @@ from adaptive.plan.gpus import GPU
 from adaptive.plan.blocks import block_type
 from adaptive.plan.hardware import NCCL_BUS_EFFICIENCY, figures
 from adaptive.plan.memory import TrainSetup, reduce_bucket_elements
+from adaptive.plan.parallel import (QGZ_BYTES_PER_PARAM, QWZ_BYTES_PER_PARAM, sp_alltoall_bytes_per_layer,
+                                    tp_allreduce_bytes_per_layer, tp_sharded_params)
 from adaptive.plan.params import count_params, expert_params, layer_params, mod_router_params
 from adaptive.plan.presets import ModelSpec
 
@@ -48,6 +50,8 @@ class Throughput:
     tokens_per_second: float  # whole job
     mfu: float  # model FLOPs achieved / peak, whole job
     comm_total_seconds: float = 0.0  # all data-parallel collective time, hidden or not
+    tp_allreduce_seconds: float = 0.0  # AutoTP's per-layer all-reduces (critical path)
+    sp_alltoall_seconds: float = 0.0  # Ulysses' per-layer all-to-alls (critical path)
 
 
 @lru_cache(maxsize=1024)
@@ -107,31 +111,46 @@ def hardware_flops_per_token(s: ModelSpec, seq_len: int, checkpointing: bool | s
     return flops
 
 
-def collective_gbps(gpu: GPU, setup: TrainSetup) -> float:
-    """Bus bandwidth a data-parallel collective reaches, GB/s per GPU: the intra-node link inside one
-    node, else the slower of it and the per-GPU inter-node share, at NCCL_BUS_EFFICIENCY."""
-    line = gpu.link_gbps if setup.num_nodes == 1 else min(gpu.link_gbps, figures(gpu.name).inter_node_gbps)
+def collective_gbps(gpu: GPU, setup: TrainSetup, consecutive: int | None = None) -> float:
+    """Bus bandwidth a collective reaches, GB/s per GPU: the intra-node link inside one node, else the
+    slower of it and the per-GPU inter-node share, at NCCL_BUS_EFFICIENCY. `consecutive`: a group of that
+    many consecutive ranks (an SP group), inside a node when it fits in one; by default the ZeRO group,
+    which spans every node (AutoTP's groups are the consecutive ranks, the data-parallel ones stride them)."""
+    inside = setup.num_nodes == 1 or (consecutive is not None and consecutive <= setup.gpus_per_node)
+    line = gpu.link_gbps if inside else min(gpu.link_gbps, figures(gpu.name).inter_node_gbps)
     return line * NCCL_BUS_EFFICIENCY
+
+
+def intra_node_gbps(gpu: GPU) -> float:
+    return gpu.link_gbps * NCCL_BUS_EFFICIENCY
 
 
 def data_parallel_comm(setup: TrainSetup, gpu: GPU, grad_accum: int, fwd_micro: float,
                        bwd_micro: float) -> tuple[float, float]:
     """(exposed, total) seconds of ZeRO/data-parallel collectives per optimizer step.
 
-    Ring collectives move (n-1)/n of the buffer per GPU. What overlaps, as DeepSpeed runs it:
+    Ring collectives move (n-1)/n of the buffer per GPU, over the ZeRO group (world/tp GPUs: data and
+    sequence parallel ranks). What overlaps, as DeepSpeed runs it:
     ZeRO-0/1 all-reduce the gradients at the accumulation boundary during the last micro-batch's
     backward; ZeRO-2 reduce-scatters during every backward; ZeRO-3 all-gathers each layer's
     parameters ahead of its forward and backward (and recompute) and reduce-scatters during backward.
     The last bucket's reduction starts after backward ends, and ZeRO-1/2 all-gather the updated
     parameters after the optimizer step: both exposed.
+    ZeRO++ (ZeRO-3): hpZ's backward gathers run inside the node over zero_hpz GPUs; qwZ gathers int8
+    (QWZ_BYTES_PER_PARAM instead of 2); qgZ reduce-scatters int4 in two all-to-all stages, inside the node
+    first, then across nodes (ZeRO++ paper, arXiv 2306.10209, Table 1: 0.25M across nodes instead of M).
     """
-    n = setup.world_size
+    n = setup.zero_group_size
     if n == 1:
         return 0.0, 0.0
     counts = count_params(setup.spec)
     b = setup.bytes_per_param
     ring = (n - 1) / n
-    p16 = (counts.total - counts.expert + counts.expert / setup.ep_size) * b
+    local = counts.total - counts.expert + counts.expert / setup.ep_size
+    if setup.tp_size > 1:
+        replicated = counts.total - tp_sharded_params(setup.spec, counts.total)
+        local = (local - replicated) / setup.tp_size + replicated
+    p16 = local * b
     gbps = collective_gbps(gpu, setup) * 1e9
     bucket = min(setup.reduce_bucket_elements or reduce_bucket_elements(counts), counts.total) * b
     one = ring * p16 / gbps  # one reduce-scatter or all-gather of the 16-bit model
@@ -142,9 +161,44 @@ def data_parallel_comm(setup: TrainSetup, gpu: GPU, grad_accum: int, fwd_micro: 
     if setup.zero_stage == 2:
         exposed = grad_accum * max(0.0, one - bwd_micro) + last_bucket + one
         return exposed, grad_accum * one + one
+    gather = one * (QWZ_BYTES_PER_PARAM / b if setup.zero_quantized_weights else 1.0)
+    bwd_gather = gather
+    if setup.zero_hpz > 1:
+        h = setup.zero_hpz
+        bwd_gather = (h - 1) / h * p16 / (intra_node_gbps(gpu) * 1e9)
+        if setup.zero_quantized_weights:
+            bwd_gather *= QWZ_BYTES_PER_PARAM / b
+    scatter = one
+    if setup.zero_quantized_gradients and setup.num_nodes > 1:
+        g = setup.gpus_per_node
+        inside = (g - 1) / g * local * QGZ_BYTES_PER_PARAM / (intra_node_gbps(gpu) * 1e9)
+        scatter = inside + one * QGZ_BYTES_PER_PARAM / b
     gathers_bwd = 1 + recompute_fraction(setup.spec, setup.checkpointing)  # backward (and recompute) gathers
-    per_micro = max(0.0, one - fwd_micro) + max(0.0, (gathers_bwd + 1) * one - bwd_micro)
-    return grad_accum * per_micro + last_bucket, grad_accum * (gathers_bwd + 2) * one
+    per_micro = max(0.0, gather - fwd_micro) + max(0.0, gathers_bwd * bwd_gather + scatter - bwd_micro)
+    last = last_bucket * (scatter / one)
+    return grad_accum * per_micro + last, grad_accum * (gather + gathers_bwd * bwd_gather + scatter)
+
+
+def model_parallel_comm(setup: TrainSetup, gpu: GPU, grad_accum: int) -> tuple[float, float]:
+    """(AutoTP all-reduce, Ulysses all-to-all) seconds per optimizer step. Both sit on the critical
+    path: each layer waits for them (AutoTP's tp_overlap_comm is off by default and we emit it off;
+    Ulysses' all-to-alls bracket attention). Recompute repeats the forward's share."""
+    s = setup.spec
+    layers = s.num_hidden_layers
+    tokens = setup.tokens_per_micro_batch  # whole micro-batch: each TP rank holds all of its tokens
+    redo = 1.0 + 0.5 * recompute_fraction(s, setup.checkpointing)  # forward half repeated
+    tp_s = sp_s = 0.0
+    if setup.tp_size > 1:
+        t = setup.tp_size
+        volume = tp_allreduce_bytes_per_layer(tokens, s.hidden_size, setup.bytes_per_param) * 2 * (t - 1) / t
+        tp_s = redo * volume * layers * grad_accum / (intra_node_gbps(gpu) * 1e9)
+    if setup.sp_size > 1:
+        p = setup.sp_size
+        local = tokens // p
+        volume = sp_alltoall_bytes_per_layer(s, local, p, setup.bytes_per_param) * (p - 1) / p
+        gbps = intra_node_gbps(gpu) if p <= setup.gpus_per_node else collective_gbps(gpu, setup, p)
+        sp_s = redo * volume * layers * grad_accum / (gbps * 1e9)
+    return tp_s, sp_s
 
 
 def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float | None = None) -> Throughput:
@@ -158,21 +212,30 @@ def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float
     util = mfu if mfu is not None else figures(gpu.name).hfu
     if setup.offload_params:
         util *= PARAM_OFFLOAD_EFFICIENCY
-    compute = tokens_step_gpu * hw_fpt / (util * gpu.peak_tflops * 1e12)
+    # a model replica's tp x sp GPUs share its tokens' FLOPs (Ulysses splits attention by heads)
+    compute = tokens_step_gpu * hw_fpt / (util * gpu.peak_tflops * 1e12) / (setup.tp_size * setup.sp_size)
     # forward = a third of the model FLOPs; backward the rest, recompute included
     micro = compute / grad_accum
     fwd_micro = micro * (model_fpt / 3) / hw_fpt
     comm, comm_total = data_parallel_comm(setup, gpu, grad_accum, fwd_micro, micro - fwd_micro)
+    tp_comm, sp_comm = model_parallel_comm(setup, gpu, grad_accum)
 
     alltoall = 0.0
     if s.is_moe and setup.ep_size > 1:
-        slots = setup.tokens_per_micro_batch * s.num_experts_per_tok * setup.capacity_factor
-        per_layer = 4 * slots * s.hidden_size * b * (setup.ep_size - 1) / setup.ep_size  # 2 fwd + 2 bwd
+        # each rank routes its own tokens: 1/sp of the sequence; TP ranks drop their duplicate tokens
+        # before the all-to-all (moe/sharded_moe.py drop_tokens over the tensor-parallel group)
+        slots = (setup.tokens_per_micro_batch / (setup.sp_size * setup.tp_size) * s.num_experts_per_tok
+                 * setup.capacity_factor)
+        per_layer = 4 * slots * s.hidden_size * b  # 2 fwd + 2 bwd, each the rank's whole dispatched tensor
         passes = 1.0 + 0.5 * recompute_fraction(s, setup.checkpointing)
-        # DeepSpeed builds expert-parallel groups from consecutive ranks: within a node while they fit
-        intra_node = setup.ep_size <= setup.gpus_per_node
-        gbps = gpu.link_gbps * NCCL_BUS_EFFICIENCY if intra_node else collective_gbps(gpu, setup)
-        alltoall = passes * per_layer * s.num_moe_layers * grad_accum / (gbps * 1e9)
+        # DeepSpeed builds expert-parallel groups from consecutive data-parallel ranks (every tp-th rank), and
+        # its training path runs one flat NCCL all-to-all (moe/sharded_moe.py:701, no hierarchical variant):
+        # the share to peers in the node goes over NVLink while the rest crosses nodes, at the same time
+        ep = setup.ep_size
+        in_node = min(ep, max(1, setup.gpus_per_node // setup.tp_size))
+        intra = (in_node - 1) / ep * per_layer / (intra_node_gbps(gpu) * 1e9)
+        inter = (ep - in_node) / ep * per_layer / (collective_gbps(gpu, setup) * 1e9) if ep > in_node else 0.0
+        alltoall = passes * max(intra, inter) * s.num_moe_layers * grad_accum
 
     offload = 0.0
     if setup.offload_optimizer:
@@ -181,8 +244,8 @@ def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float
         adam = counts.total / setup.num_nodes / CPU_ADAM_PARAMS_PER_S
         offload = copies + adam
 
-    step = compute + comm + alltoall + offload
-    tokens_per_second = tokens_step_gpu * n / step
+    step = compute + comm + tp_comm + sp_comm + alltoall + offload
+    tokens_per_second = tokens_step_gpu * setup.dp_size / step
     peak = gpu.peak_tflops * 1e12 * n
     return Throughput(
         model_flops_per_token=model_fpt,
@@ -196,6 +259,8 @@ def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float
         tokens_per_second=tokens_per_second,
         mfu=tokens_per_second * model_fpt / peak,
         comm_total_seconds=comm_total,
+        tp_allreduce_seconds=tp_comm,
+        sp_alltoall_seconds=sp_comm,
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 TIGHT_MARGIN = 0.13  # gist-llama7b-a800-z3-mb2-gb64: 75.7 GiB measured, 66.1 GiB predicted (-12.7%)
 
 # parts alive during the whole step, and those of each peak phase
-_WHOLE_STEP = ("params", "optimizer", "zero3_grad_partition")
+_WHOLE_STEP = ("params", "optimizer", "zero3_grad_partition", "hpz_secondary_params")
 _PHASE = {"backward": ("activations", "attention_scores", "logits_and_loss", "backward_transient",
                        "zero3_live_params", "accumulated_grads", "comm_buckets"),
           "optimizer_step": ("grads", "optimizer_transient", "step_flatten")}

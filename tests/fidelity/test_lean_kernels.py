@@ -75,7 +75,8 @@ MPT_7B = Shape("mpt-7b", 6.7e9, vocab_size=50368, hidden_size=4096, intermediate
 
 def mpt_request(gpus: int) -> FitRequest:
     return FitRequest(spec=spec_from_shape(MPT_7B, "dense"), gpu=get_gpu("a100-80gb"), gpus_per_node=gpus,
-                      seq_len=2048, zero_stage=3, offload="none", micro_batch_size=6, gradient_checkpointing=False)
+                      seq_len=2048, zero_stage=3, offload="none", micro_batch_size=6, gradient_checkpointing=False,
+                      tp_size=1, sp_size=1)  # llm-foundry's run: data parallel (FSDP) only
 
 
 def test_fit_plans_llm_foundrys_mpt_7b_run_and_measure_agrees():

@@ -28,7 +28,8 @@ def test_policies_order_memory_and_recompute_between_off_and_full():
 
 
 def _b7_on(gpu_mem_gib: float, **kw):
-    return make_request(model="b7", gpu="a100-80gb", gpu_mem_gib=gpu_mem_gib, gpus=8, micro_batch=4, zero=3, offload="none", **kw)
+    return make_request(model="b7", gpu="a100-80gb", gpu_mem_gib=gpu_mem_gib, gpus=8, micro_batch=4, zero=3, offload="none",
+                        tp_size=1, sp_size=1, **kw)  # data parallel: model parallelism would let "off" fit
 
 
 def test_the_planner_picks_a_selective_policy_where_off_does_not_fit_and_full_is_slower():

@@ -7,8 +7,8 @@ bench/corpus_table.py) everywhere else.
 
 import pytest
 
-from adaptive.plan.corpus import (GPU_HOURS_TOLERANCE, TOKENS_PER_S_TOLERANCE, comparisons, is_dense_up_to_13b, load,
-                                  predict)
+from adaptive.plan.corpus import (GPU_HOURS_TOLERANCE, LARGE_GPU_HOURS_RUNS, LARGE_GPU_HOURS_TOLERANCE,
+                                  TOKENS_PER_S_TOLERANCE, comparisons, is_dense_up_to_13b, load, predict)
 from adaptive.plan.tight import TIGHT_MARGIN
 from tests.conftest import REPO_ROOT
 
@@ -57,6 +57,23 @@ def test_gpu_hours_within_15_percent_for_dense_models_up_to_13b(predictions):
     held = [(p.id, f[3]) for p, f in rows if "gpu_hours" not in p.entry.get("exempt", {})]
     assert len(held) >= 3
     assert all(abs(err) <= GPU_HOURS_TOLERANCE for _, err in held), held
+
+
+@pytest.mark.parametrize("run", [
+    "llama2-70b-gpu-hours", "llama3-70b-gpu-hours",
+    pytest.param("llama3.1-405b-gpu-hours", marks=pytest.mark.xfail(strict=True, reason=(
+        "+38%: at sequence 8192 a 405B layer stack fits 80 GB under AutoTP 8 only with full recompute (AutoTP "
+        "keeps 10/34 of a layer's activations whole: no Megatron sequence parallel), which caps MFU at 0.40 x 3/4 "
+        "= 0.30 before communication; Meta's TP 8 x PP 16 ran at 38-43%"))),
+])
+def test_meta_70b_and_405b_gpu_hours_within_30_percent_at_their_gpu_counts(predictions, run):
+    assert run in LARGE_GPU_HOURS_RUNS
+    p = next(p for p in predictions if p.id == run)
+    s = p.plan.shown.setup
+    assert p.fits and s.dp_size * s.micro_batch_size * p.plan.shown.grad_accum * s.seq_len == \
+        p.entry["knobs"]["global_batch_tokens"]  # the published batch, each sequence counted once
+    _, published, predicted, err = figure(p, "GPU-hours")
+    assert abs(err) <= LARGE_GPU_HOURS_TOLERANCE, (run, published, predicted)
 
 
 def test_tokens_per_s_within_20_percent_for_runs_of_our_stack(predictions):

@@ -21,11 +21,11 @@ def test_every_preset_arch_gpu_and_count_emits_a_config_deepspeed_accepts(single
                     if c.setup.spec.is_moe:
                         assert cfg["zero_optimization"]["stage"] < 3, (name, arch, gpu)
                     assert ("bf16" in cfg) == CATALOG[gpu].bf16 and ("fp16" in cfg) != CATALOG[gpu].bf16
-                    seen[json.dumps(cfg, sort_keys=True)] = gpus
+                    seen[json.dumps(cfg, sort_keys=True)] = c.setup.dp_size  # data-parallel replicas
     assert len(seen) > 50  # the search really produces varied configs
-    for text, gpus in seen.items():
+    for text, replicas in seen.items():
         cfg = json.loads(text)
-        parsed = DeepSpeedConfig(cfg, mpu=DataParallel(gpus))
+        parsed = DeepSpeedConfig(cfg, mpu=DataParallel(replicas))
         assert parsed.zero_optimization_stage == cfg["zero_optimization"]["stage"]
         assert parsed.train_batch_size == cfg["train_batch_size"]
         assert parsed.zero_config.offload_optimizer is not None or "offload_optimizer" not in cfg["zero_optimization"]

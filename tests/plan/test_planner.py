@@ -138,9 +138,16 @@ def test_pins_that_agree_with_a_given_global_batch_keep_it_exactly(pins):
     assert s.seq_len * s.micro_batch_size * plan.shown.grad_accum * 8 == 1024 * 1024
 
 
-def test_a_global_batch_below_one_sequence_per_gpu_is_refused():
+def test_a_global_batch_below_one_sequence_per_gpu_is_refused_when_data_parallel_is_pinned():
     with pytest.raises(AdaptiveError, match="less than one sequence of 2048 per GPU"):
-        fit(make_request(model="b1", gpu="a100", gpus=8, global_batch_tokens=4096))
+        fit(make_request(model="b1", gpu="a100", gpus=8, global_batch_tokens=4096, tp_size=1, sp_size=1))
+
+
+def test_a_global_batch_below_one_sequence_per_gpu_is_planned_with_model_parallel_replicas():
+    plan = fit(make_request(model="b1", gpu="a100", gpus=8, global_batch_tokens=4096))
+    s = plan.shown.setup
+    assert plan.fits and s.tp_size * s.sp_size == 4 and s.dp_size == 2
+    assert s.micro_batch_size * plan.shown.grad_accum * s.dp_size * s.seq_len == 4096
 
 
 def test_larger_gpus_suggested_are_the_next_size_up_and_the_cheapest_per_token():
