@@ -201,9 +201,13 @@ def host_bytes_per_node(setup: TrainSetup, counts: ParamCounts | None = None) ->
     if setup.zero_stage == 3:
         per_param = 18 if setup.offload_params else 16
         return int(p * per_param / setup.num_nodes * HOST_BUFFER_FACTOR)
-    # ZeRO-1/2 with optimizer offload: max(4 bytes x GPUs, 16) per param on the node
-    # (with AutoTP: per TP slice of P/tp params over its world/tp GPUs, tp slices)
-    return int(p * max(4 * setup.zero_group_size, 16) * HOST_BUFFER_FACTOR / setup.num_nodes)
+    # ZeRO-1/2 with optimizer offload: max(4 bytes x GPUs, 16) per param of a replica, the GPUs being the
+    # group that replicates it (with AutoTP: per TP slice of P/tp params over its world/tp GPUs, tp slices).
+    # Routed experts are replicated only over the expert-data-parallel group (ep_size times fewer GPUs):
+    # each is one expert-parallel shard's, not every GPU's.
+    expert_group = max(1, setup.zero_group_size // setup.ep_size)
+    per_replica = (p - c.expert) * max(4 * setup.zero_group_size, 16) + c.expert * max(4 * expert_group, 16)
+    return int(per_replica * HOST_BUFFER_FACTOR / setup.num_nodes)
 
 
 def reduce_bucket_elements(counts: ParamCounts) -> int:
