@@ -59,6 +59,18 @@ class AdaptiveConfig(PreTrainedConfig):
 
     model_type = "adaptive"
     keys_to_ignore_at_inference = ["cache"]
+    # Tensor parallelism (transformers' tp_plan, which DeepSpeed's AutoTP training reads): Llama's plan. It
+    # names the dense MLP and the attention projections; the LM head, embeddings, norms, MoD routers and
+    # MoE experts stay whole on every rank.
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
     default_theta = 10000.0
 
     # shape (debug preset)
