@@ -721,6 +721,9 @@ def _refuse_packed_sequences(position_ids, padding_mask, kwargs) -> None:
 
 class AdaptiveForCausalLM(AdaptivePreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # Llama's: under tensor parallelism the head is column-parallel with its logits gathered, so the loss takes
+    # the plain path (`_lean_loss`: the head is no longer ours)
+    _tp_plan = {"lm_head": "colwise_gather_output"}
 
     def __init__(self, config: AdaptiveConfig):
         super().__init__(config)
