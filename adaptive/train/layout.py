@@ -11,9 +11,10 @@ What DeepSpeed 0.19.8 combines, as this runtime uses it:
 - Not SP with MoE or MoD: a shard's router sees part of each sequence. MoD picks its top-k tokens over the
   whole sequence, and an MoE gate's capacity and balancing loss are per-shard sums, so neither would equal
   the unsharded model.
-- Not TP with MoE: AutoTP's plan (the model's `base_model_tp_plan`) leaves DeepSpeed's MoE experts whole,
-  and their expert-parallel groups are built without regard to the TP mesh; that combination is not
-  verified here, so it is refused (shard the experts with `--ep-size`).
+- Not TP with MoE: DeepSpeed combines the two through AutoEP (`engine._configure_expert_parallel`, which
+  folds expert groups into the TP mesh), and AutoEP replaces transformers-style MoE blocks; our models run
+  DeepSpeed's native `MoE` layer, whose expert groups know nothing of the TP mesh, and AutoTP's plan (the
+  config's `base_model_tp_plan`) leaves its experts whole. Refused (shard the experts with `--ep-size`).
 """
 
 from __future__ import annotations

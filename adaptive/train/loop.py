@@ -7,7 +7,9 @@ The step's samples (blocks of the run's block length) are drawn from the data it
 the sequences are sliced into micro-batches. So a retried step (after an OOM, with other knobs,
 seq_len included) runs on the same samples and the same tokens; the data position is committed
 only when the step completes. Evaluation always runs on whole blocks (the block length), so eval
-losses stay comparable across a change of seq_len.
+losses stay comparable across a change of seq_len. Under Ulysses sequence parallelism a rank runs its SP
+group's micro-batches in turn, each cut to its shard of the sequence (`sequence_parallel.py`); under
+AutoTP a TP group trains on one copy of the data.
 
 The loop drives the DeepSpeed engine directly (what accelerate's `backward` wraps): it marks the
 accumulation boundary itself and scales the loss by the accumulation in force
