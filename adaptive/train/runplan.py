@@ -294,18 +294,19 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
                   seq_len=s.seq_len, gradient_checkpointing=s.gradient_checkpointing, zero_stage=s.zero_stage,
                   offload_optimizer=s.offload_optimizer, offload_params=s.offload_params, ep_size=s.ep_size,
                   sp_size=sp_size, tp_size=tp_size)
-    spec = request.spec
+    spec = request.spec  # again: the plan's choice, where nothing was pinned
     check_layout(sp_size, tp_size, world.size, arch, spec.num_attention_heads, spec.num_key_value_heads)
     if sp_size > 1 and s.seq_len % sp_size:
         raise AdaptiveError(f"the sequence ({s.seq_len} tokens) must be divisible by sp_size ({sp_size})")
-    if cpu and layout["zero_quantize"] not in (None, "off"):
-        # qwZ fails building the model (zero/partition_parameters.py, CUDAQuantizer), qgZ in the first backward
-        # (comm/coalesced_collectives.py): DeepSpeed's CPU op builder has no QuantizerBuilder
-        raise AdaptiveError(f"--zero-quantize {layout['zero_quantize']} needs DeepSpeed's quantizer kernels, which "
-                            "it builds for GPUs only; on a CPU use --zero-quantize off (--zero-hpz runs)")
     precision = precision_for(device, source, env)
     base = source.config if source.config is not None else ds_config(s, chosen.grad_accum, request.gpu)
     cfg = finalize_ds_config(base, knobs, world.size, precision, pins.get("clipping"), zero_plus(layout))
+    quantized = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if cfg["zero_optimization"].get(k)]
+    if cpu and quantized:
+        # qwZ fails building the model (zero/partition_parameters.py, CUDAQuantizer), qgZ in the first backward
+        # (comm/coalesced_collectives.py): DeepSpeed's CPU op builder has no QuantizerBuilder
+        raise AdaptiveError(f"ZeRO++ quantized communication ({', '.join(quantized)}) needs DeepSpeed's quantizer "
+                            "kernels, which it builds for GPUs only; on a CPU use --zero-quantize off (--zero-hpz runs)")
     max_steps = steps_for(max_steps, tokens, knobs, world.size, plan, cpu)
     requested = config.orchestrator.orchestrator
     enabled = requested == "on" or (requested == "auto" and plan.orchestrator.recommended)

@@ -87,3 +87,27 @@ def test_zero_hpz_trains_as_zero_3(tmp_path):
     assert json.loads((tmp_path / "hpz" / "run" / "ds_config.json").read_text())["zero_optimization"][
         "zero_hpz_partition_size"] == 2
     assert_same_training(zero3, hpz)
+
+
+@pytest.mark.parametrize("flags", [("--sp-size", "2"), ("--tp-size", "2")], ids=["sp2", "tp2"])
+def test_a_run_killed_after_a_checkpoint_resumes_exactly_and_only_with_the_same_layout(flags, tmp_path):
+    from tests.train._launch import driver, train_losses
+
+    common = ["--max-steps", "4", "--log-every", "1", "--no-progress", "--seq-len", "64", "--micro-batch", "2",
+              "--checkpoint-every", "2", *flags]
+    home = tmp_path / "home"
+    full = driver("debug", "dense", {}, ["--output-dir", str(tmp_path / "full"), *common], nproc=2, home=home)
+    assert full.returncode == 0, tail(full)
+    cut = driver("debug", "dense", {"kill_after_checkpoint": 2}, ["--output-dir", str(tmp_path / "cut"), *common],
+                 nproc=2, home=home)
+    assert cut.returncode != 0
+    other = driver("debug", "dense", {}, ["--output-dir", str(tmp_path / "cut"), *common[:-2], "--resume"],
+                   nproc=2, home=home)
+    assert other.returncode != 0
+    assert f"was trained with other settings ({flags[0][2:4]}_size 2 vs 1); resume with the same ones" in tail(other)
+    resumed = driver("debug", "dense", {}, ["--output-dir", str(tmp_path / "cut"), *common, "--resume"], nproc=2,
+                     home=home)
+    assert resumed.returncode == 0, tail(resumed)
+    want, got = train_losses(tmp_path / "full"), train_losses(tmp_path / "cut")
+    assert sorted(got) == [1, 2, 3, 4]
+    assert all(abs(got[step] - want[step]) < FP32 for step in (3, 4)), (want, got)
