@@ -1,7 +1,8 @@
 """Every use of DeepSpeed's internals, in one place.
 
 Read against deepspeed 0.19.8 (`runtime/engine.py`, `runtime/zero/stage_1_and_2.py`,
-`runtime/bf16_optimizer.py`, `moe/layer.py`, `moe/sharded_moe.py`, `utils/groups.py`). Nothing here is
+`runtime/bf16_optimizer.py`, `moe/layer.py`, `moe/sharded_moe.py`, `utils/groups.py`,
+`runtime/sequence_parallel/`). Nothing here is
 DeepSpeed's documented API: `tests/test_engine_internals.py` checks each name against the installed
 DeepSpeed, on real objects, and fails naming the one that moved. Upgrading DeepSpeed starts there.
 
@@ -14,6 +15,7 @@ What the rest of the code asks of an engine:
 - `reports_grad_norm` / `reported_grad_norm`: the norm DeepSpeed computed for clipping, where it has one.
 - MoE: the optimizer param groups DeepSpeed MoE needs, this rank's expert-parallel rank, and the
   all-to-all timers of `MOELayer`.
+- Ulysses sequence parallelism: the SP group DeepSpeed built, and its data adapter that shards a batch.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     ("deepspeed.moe.utils", "split_params_into_different_moe_groups_for_optimizer", "param_groups"),
     ("deepspeed.utils.groups", "_get_expert_parallel_rank", "group_name"),
     ("deepspeed.ops.op_builder.cpu.comm", "ShareMemCommBuilder", "NAME"),
+    # functions of no parameters: "__call__" checks only that they are there
+    ("deepspeed.runtime.sequence_parallel.parallel_state_sp", "get_sequence_parallel_group", "__call__"),
+    ("deepspeed.runtime.sequence_parallel.parallel_state_sp", "get_sequence_parallel_rank", "__call__"),
+    ("deepspeed.runtime.sequence_parallel.parallel_state_sp", "get_sequence_parallel_world_size", "__call__"),
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp", "UlyssesSPDataLoaderAdapter", "__init__(sp_world_size)"),
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp", "UlyssesSPDataLoaderAdapter", "refill"),
     ("deepspeed.ops.op_builder.cpu.comm", "ShareMemCommBuilder", "absolute_name"),
 )
 
@@ -113,6 +121,8 @@ def discard_gradients(engine: Any, probe: dict[str, Any]) -> None:
 
 def set_batch_sizes(engine: Any, micro_batch: int, sequences_per_step: int) -> None:
     """The engine's batch bookkeeping after a live change (the loop runs the accumulation itself)."""
+    if engine.dp_world_size is None:  # Ulysses: DeepSpeed's groups give no data-parallel size to count with,
+        return  # so its sample counters keep the config's batch (the loop's own records are right)
     engine.set_train_micro_batch_size(micro_batch)
     engine.set_train_batch_size(sequences_per_step * engine.dp_world_size)
 
@@ -127,6 +137,24 @@ def reported_grad_norm(engine: Any) -> float | None:
     if norm is None:
         return None
     return float(norm.item() if hasattr(norm, "item") else norm)
+
+
+# --- sequence parallelism (Ulysses) ------------------------------------------------------------
+
+
+def sequence_parallel_group() -> tuple[Any, int, int]:
+    """(group, this rank's place in it, its size): the SP group DeepSpeed's Ulysses registration built."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp as sp
+
+    return sp.get_sequence_parallel_group(), sp.get_sequence_parallel_rank(), sp.get_sequence_parallel_world_size()
+
+
+def ulysses_data_adapter(batches: Any, rank: int, group: Any, size: int, device: Any) -> Any:
+    """DeepSpeed's `UlyssesSPDataLoaderAdapter` over `batches` (any iterable with a length): it yields this rank's
+    shard of every SP rank's batch in turn, labels shifted before the cut (`shift_labels`), on the CPU."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+    return UlyssesSPDataLoaderAdapter(batches, sp_rank=rank, sp_group=group, sp_world_size=size, device=device)
 
 
 # --- MoE ----------------------------------------------------------------------------------------
@@ -177,4 +205,5 @@ def moe_timer_seconds(layers: list[Any]) -> tuple[float, float]:
 __all__ = ["A2A_TIMERS", "CHECKPOINT_CLASSES", "DEEPSPEED_VERSION_READ", "checkpoint_classes", "INTERNALS", "MOE_TIMER",
            "discard_gradients", "expert_parallel_rank",
            "moe_layers_with_timers", "moe_param_groups", "moe_timer_seconds", "reported_grad_norm",
-           "reports_grad_norm", "set_batch_sizes", "start_moe_timers", "stop_moe_timers"]
+           "reports_grad_norm", "sequence_parallel_group", "set_batch_sizes", "start_moe_timers", "stop_moe_timers",
+           "ulysses_data_adapter"]

@@ -168,7 +168,8 @@ def plan_launch(req: LaunchRequest) -> Launch:
                            tokens=config.schedule.tokens, zero=par.zero, offload=par.offload,
                            micro_batch=par.micro_batch, grad_accum=par.grad_accum,
                            checkpointing=config.checkpointing.gradient_checkpointing, ep_size=par.ep_size,
-                           ds_config=par.ds_config)
+                           ds_config=par.ds_config, sp_size=par.sp_size, tp_size=par.tp_size, zero_hpz=par.zero_hpz,
+                           zero_quantize=par.zero_quantize)
     plan = fit(request)
     if not plan.fits:
         hint = f"; would fit: {plan.suggestions[0]}" if plan.suggestions else ""

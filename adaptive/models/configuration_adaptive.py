@@ -37,6 +37,21 @@ _SPEC_KNOBS = {
 }
 
 
+# Tensor parallelism (transformers' tp_plan, which DeepSpeed's AutoTP training reads): Llama's plan for the
+# attention and the SwiGLU MLP. MoE experts, MoD routers and norms are not in it.
+_ATTENTION_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+}
+_MLP_TP_PLAN = {
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+
+
 @strict
 class AdaptiveConfig(PreTrainedConfig):
     r"""Config of `AdaptiveModel` / `AdaptiveForCausalLM`.
@@ -59,6 +74,7 @@ class AdaptiveConfig(PreTrainedConfig):
 
     model_type = "adaptive"
     keys_to_ignore_at_inference = ["cache"]
+
     default_theta = 10000.0
 
     # shape (debug preset)
@@ -137,6 +153,13 @@ class AdaptiveConfig(PreTrainedConfig):
     @property
     def mod_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.block_types) if block_type(t).routed]
+
+    # transformers' tensor-parallel plan (a class attribute on Llama's config): only the projections this
+    # config's layers have; transformers adds the input embedding, and `AdaptiveForCausalLM._tp_plan` the head
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        has_mlp = any(not block_type(t).has_experts for t in self.block_types)
+        return {**_ATTENTION_TP_PLAN, **(_MLP_TP_PLAN if has_mlp else {})}
 
     def validate_adaptive(self) -> None:
         """Run by `@strict` at save time; `__post_init__` runs the same checks at construction."""

@@ -174,13 +174,16 @@ class ChunkedLMLossFunction(torch.autograd.Function):
 
 class LeanLMHead(nn.Linear):
     """The LM head. `forward(hidden)` gives logits; `forward(hidden, labels=...)` gives the summed
-    token losses of the shifted labels without materialising the logits (`ChunkedLMLossFunction`)."""
+    token losses of the shifted labels without materialising the logits (`ChunkedLMLossFunction`);
+    `shifted_labels=` takes labels shifted already (a sequence-parallel shard's)."""
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        if labels is None:
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
+                shifted_labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None and shifted_labels is None:
             return super().forward(hidden)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        targets = shift_labels(labels).reshape(-1).to(hidden.device)
+        targets = shifted_labels if shifted_labels is not None else shift_labels(labels)
+        targets = targets.reshape(-1).to(hidden.device)
         return ChunkedLMLossFunction.apply(flat, self.weight, targets, loss_chunk_tokens(self.out_features))
 
 
@@ -189,13 +192,15 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
-def lean_causal_lm_loss(head: LeanLMHead, hidden: torch.Tensor, labels: torch.Tensor,
-                        num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
-    """transformers' ForCausalLMLoss (shift once, ignore -100, mean over real labels or sum /
-    num_items_in_batch) through the chunked head."""
-    total = head(hidden, labels)
+def lean_causal_lm_loss(head: LeanLMHead, hidden: torch.Tensor, labels: torch.Tensor | None,
+                        num_items_in_batch: int | torch.Tensor | None = None,
+                        shifted_labels: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' ForCausalLMLoss (shift once, or take `shifted_labels` as they are; ignore -100; mean
+    over real labels or sum / num_items_in_batch) through the chunked head."""
+    total = head(hidden, labels, shifted_labels)
     if num_items_in_batch is None:
-        num_items_in_batch = (shift_labels(labels) != IGNORE_INDEX).sum()
+        targets = shifted_labels if shifted_labels is not None else shift_labels(labels)
+        num_items_in_batch = (targets != IGNORE_INDEX).sum()
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch

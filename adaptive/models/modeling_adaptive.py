@@ -120,7 +120,8 @@ class AdaptiveMLP(nn.Module):
         self.lean = lean and act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lean:
+        # AutoTP (tensor parallelism) swaps the down projection for its row-parallel layer, which takes one input
+        if self.lean and isinstance(self.down_proj, LeanSwiGLUDown):
             return self.down_proj(self.gate_proj(x), self.up_proj(x))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
@@ -275,8 +276,9 @@ class AdaptiveDecoderLayer(GradientCheckpointingLayer):
         **kwargs,
     ) -> tuple[torch.Tensor, LayerOutput]:
         if self.mod is None:
+            # the attention gets the position ids, as Llama's does: Ulysses sequence parallelism gathers them
             out, moe, attn = self._block(hidden_states, position_embeddings, attention_mask, cache, None,
-                                         padding_mask, **kwargs)
+                                         padding_mask, position_ids=position_ids, **kwargs)
             return out, LayerOutput(moe, None, attn)
         return self._routed_forward(hidden_states, position_ids, cache, position_embeddings, padding_mask, **kwargs)
 
@@ -719,6 +721,9 @@ def _refuse_packed_sequences(position_ids, padding_mask, kwargs) -> None:
 
 class AdaptiveForCausalLM(AdaptivePreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # Llama's: under tensor parallelism the head is column-parallel with its logits gathered, so the loss takes
+    # the plain path (`_lean_loss`: the head is no longer ours)
+    _tp_plan = {"lm_head": "colwise_gather_output"}
 
     def __init__(self, config: AdaptiveConfig):
         super().__init__(config)
@@ -744,25 +749,31 @@ class AdaptiveForCausalLM(AdaptivePreTrainedModel, GenerationMixin):
         output_router_logits: bool | None = None,
         **kwargs,
     ) -> AdaptiveCausalLMOutputWithPast:
-        """`labels` are the input ids (not shifted): the loss shifts them once, as in transformers.
+        """`labels` are the input ids (not shifted): the loss shifts them once, as in transformers. Or
+        `shift_labels` (a keyword): labels already shifted, as Ulysses sequence parallelism shards them
+        (DeepSpeed's `UlyssesSPDataLoaderAdapter` shifts before it cuts the sequence); with
+        `num_items_in_batch` the loss is this shard's summed token loss over that count.
 
         In training with labels and `config.kernels == "lean"`, the loss goes through the chunked LM
         head (`lean.ChunkedLMLossFunction`) and `logits` is None (as Liger-Kernel's fused loss does):
         the full logits are never built. Evaluation, generation and `kernels="plain"` return logits.
         """
+        shifted = kwargs.pop("shift_labels", None)
         outputs: AdaptiveModelOutputWithPast = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
             output_attentions=output_attentions, output_router_logits=output_router_logits, **kwargs,
         )
         loss = logits = None
-        if labels is not None and self._lean_loss(logits_to_keep, kwargs):
+        wants_loss = labels is not None or shifted is not None
+        if wants_loss and self._lean_loss(logits_to_keep):
             loss = lean_causal_lm_loss(self.lm_head, outputs.last_hidden_state, labels,
-                                       kwargs.get("num_items_in_batch"))
+                                       kwargs.get("num_items_in_batch"), shifted_labels=shifted)
         else:
             logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
-            if labels is not None:
-                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            if wants_loss:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                                          shift_labels=shifted, **kwargs)
         if loss is not None and outputs.aux_loss is not None:
             loss = loss + outputs.aux_loss.to(loss.device)
         return AdaptiveCausalLMOutputWithPast(
@@ -776,12 +787,11 @@ class AdaptiveForCausalLM(AdaptivePreTrainedModel, GenerationMixin):
             router_logits=outputs.router_logits,
         )
 
-    def _lean_loss(self, logits_to_keep, loss_kwargs: dict) -> bool:
-        """The chunked loss: lean kernels, training, all positions, labels shifted by us, and our head
-        (a resized vocabulary gets transformers' plain nn.Linear)."""
+    def _lean_loss(self, logits_to_keep) -> bool:
+        """The chunked loss: lean kernels, training, all positions, and our head (a resized vocabulary gets
+        transformers' plain nn.Linear)."""
         return (self.config.kernels == "lean" and self.training and isinstance(logits_to_keep, int)
-                and logits_to_keep == 0 and "shift_labels" not in loss_kwargs
-                and isinstance(self.lm_head, LeanLMHead))
+                and logits_to_keep == 0 and isinstance(self.lm_head, LeanLMHead))
 
 
 __all__ = [

@@ -83,7 +83,15 @@ def layout_error(spec: ModelSpec, layout: Layout, *, world: int, gpus_per_node: 
         return f"--tp-size ({tp}) must not exceed the GPUs per node ({gpus_per_node}): AutoTP all-reduces every layer"
     if tp > 1 and (err := tp_heads_error(spec, tp)):
         return err
+    if tp > 1 and spec.is_moe:
+        # DeepSpeed folds expert groups into the TP mesh only through AutoEP (engine._configure_expert_parallel),
+        # which replaces transformers-style MoE blocks; the native MoE layer's expert groups ignore that mesh
+        return (f"--tp-size {tp} with {spec.arch}: DeepSpeed composes AutoTP with MoE only through AutoEP, not with "
+                "the native deepspeed.moe MoE layer that adaptive's models run")
     if sp > 1:
+        if spec.is_moe:
+            # an MoE gate's capacity and its balancing loss are sums over the tokens it sees: one shard's
+            return f"--sp-size {sp} with {spec.arch}: an MoE gate's capacity and balancing loss would be per-shard"
         if spec.is_mod:
             # MoD routes the top-k tokens of the whole sequence; each SP rank sees 1/sp of it
             return f"--sp-size {sp} with {spec.arch}: MoD routes top-k over the whole sequence, which SP splits"

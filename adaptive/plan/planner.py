@@ -355,6 +355,10 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
              ckpt: bool | str, ep: int, global_tokens: int, host_mem: int, layout: Layout = Layout()) -> Candidate:
     """`ckpt`: False/True (off/full) or a checkpointing policy."""
     accum = req.grad_accum or grad_accum_for(req, global_tokens, seq, micro, req.world_size // layout.degree)
+    if not req.grad_accum and req.global_batch_tokens is None and layout.sp > 1:
+        # DeepSpeed's Ulysses data adapter gathers each SP rank's micro-batch and shards it over the group:
+        # a group runs whole multiples of sp micro-batches per step (a batch by size may round up to that)
+        accum = math.ceil(accum / layout.sp) * layout.sp
     policy = ("full" if ckpt else "off") if isinstance(ckpt, bool) else ckpt
     ds = req.ds_config
     buckets = {} if ds is None else dict(

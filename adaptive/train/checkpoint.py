@@ -379,8 +379,9 @@ def export_hf(accelerator: Any, engine: Any, tokenizer: Any, target: Path, metad
     model = accelerator.unwrap_model(engine)
     config = model.config
     chosen = None
-    if accelerator.deepspeed_config["zero_optimization"]["stage"] == 3:
-        # DeepSpeed gathers the partitioned 16-bit weights onto rank 0 (a collective)
+    tensor_parallel = (accelerator.deepspeed_config.get("tensor_parallel") or {}).get("autotp_size", 0) > 1
+    if accelerator.deepspeed_config["zero_optimization"]["stage"] == 3 or tensor_parallel:
+        # DeepSpeed gathers the ZeRO-3 partitions and AutoTP shards onto rank 0 (a collective)
         state_dict = accelerator.get_state_dict(engine)
         if main:
             chosen = export_pretrained(model, tmp, export_format, state_dict=state_dict)

@@ -131,6 +131,10 @@ def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] 
     metrics = MetricsWriter(output_dir, main_process)
     loop = Loop(run=plan, data=data, callbacks=chain, metrics=metrics, settings=settings, device=accelerator.device,
                 lr_scheduler=lr_scheduler)
+    if plan.knobs.sp_size > 1:  # prepare() registered DeepSpeed's Ulysses attention and its SP groups
+        from adaptive.train.sequence_parallel import SequenceShards
+
+        loop.sequence_shards = SequenceShards.from_deepspeed(accelerator.device)
     if resume_from is not None:
         restore(state, loop, resume_from)
         state.resumed_from = resume_from

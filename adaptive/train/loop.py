@@ -7,7 +7,9 @@ The step's samples (blocks of the run's block length) are drawn from the data it
 the sequences are sliced into micro-batches. So a retried step (after an OOM, with other knobs,
 seq_len included) runs on the same samples and the same tokens; the data position is committed
 only when the step completes. Evaluation always runs on whole blocks (the block length), so eval
-losses stay comparable across a change of seq_len.
+losses stay comparable across a change of seq_len. Under Ulysses sequence parallelism a rank runs its SP
+group's micro-batches in turn, each cut to its shard of the sequence (`sequence_parallel.py`); under
+AutoTP a TP group trains on one copy of the data.
 
 The loop drives the DeepSpeed engine directly (what accelerate's `backward` wraps): it marks the
 accumulation boundary itself and scales the loss by the accumulation in force
@@ -81,6 +83,7 @@ class Loop:
     last_eval_step: int = -1
     stop_signal: threading.Event = field(default_factory=threading.Event)
     samples: SampleIterator | None = None  # what train() draws from; its committed state goes into checkpoints
+    sequence_shards: Any = None  # sequence_parallel.SequenceShards under Ulysses (sp_size > 1), else None
     data_state: dict[str, Any] | None = None  # this rank's data state read by restore(), for the next SampleIterator
 
 
@@ -178,18 +181,20 @@ def run_step(state: TrainerState, control: Control, loop: Loop, step_batch: dict
 def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: dict[str, torch.Tensor]) -> StepStats:
     """One optimizer step: forward/backward over the micro-batches, then the update (or discard)."""
     engine = state.model
-    micro, accum = state.knobs.micro_batch_size, state.knobs.gradient_accumulation_steps
-    sequences = cut_blocks(step_batch, state.knobs)
+    micro_batches = step_micro_batches(step_batch, state.knobs, loop)
+    count = len(micro_batches)  # the accumulation; sp x that under Ulysses (every SP rank's micro-batches in turn)
     stats = StepStats.zeros(loop.device)
-    for i in range(accum):
+    for i, batch in enumerate(micro_batches):
         state.micro_step = i
-        batch = {k: v[i * micro:(i + 1) * micro].to(loop.device, non_blocking=True) for k, v in sequences.items()}
-        engine.set_gradient_accumulation_boundary(i == accum - 1)
+        batch = {k: v.to(loop.device, non_blocking=True) for k, v in batch.items()}
+        engine.set_gradient_accumulation_boundary(i == count - 1)
         # Without the logits (tokens x vocab, 16-bit): nothing reads them after the loss, and holding
         # them through backward costs memory the plan does not count (adaptive measure holds the same).
-        outputs = replace(engine(**batch), logits=None)
+        outputs = replace(engine(**batch, **_loss_count(batch, loop)), logits=None)
         loss = outputs.loss
-        engine.backward(loss / accum, scale_wrt_gas=False)
+        engine.backward(loss / count, scale_wrt_gas=False)
+        if loop.sequence_shards is not None:  # this shard's part of the sequence's loss: log the whole
+            loss = loop.sequence_shards.group_loss(loss)
         stats.add(outputs, loss)
         loop.callbacks.on_backward_end(state, control, outputs=outputs, loss=loss.detach(), batch=batch)
         del outputs, loss
@@ -199,7 +204,7 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
     norm = None
     state.last_skip = "discarded" if skip else None
     if skip:
-        engine_internals.discard_gradients(engine, _probe(step_batch, loop.device))
+        engine_internals.discard_gradients(engine, _probe(step_batch, state.knobs, loop))
         state.skipped_steps += 1
         logger.warning("step %d skipped: gradients discarded (non-finite loss or a callback asked)", state.step + 1)
     else:
@@ -215,6 +220,22 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
     _apply_lr_scale(state, loop)
     state.last_grad_norm = None if skip else (norm if norm is not None else engine_internals.reported_grad_norm(engine))
     return stats
+
+
+def step_micro_batches(step_batch: dict[str, torch.Tensor], knobs: Knobs, loop: Loop) -> list[dict[str, torch.Tensor]]:
+    """The step's micro-batches, in order; under Ulysses this rank's shards of its SP group's micro-batches."""
+    micro = knobs.micro_batch_size
+    sequences = cut_blocks(step_batch, knobs)
+    batches = [{k: v[i * micro:(i + 1) * micro] for k, v in sequences.items()}
+               for i in range(knobs.gradient_accumulation_steps)]
+    return batches if loop.sequence_shards is None else loop.sequence_shards.shard(batches)
+
+
+def _loss_count(batch: dict[str, torch.Tensor], loop: Loop) -> dict[str, Any]:
+    """Under Ulysses the shard's loss is over the SP group's label count (sequence_parallel.py)."""
+    if loop.sequence_shards is None:
+        return {}
+    return {"num_items_in_batch": loop.sequence_shards.label_count(batch)}
 
 
 def cut_blocks(step_batch: dict[str, torch.Tensor], knobs: Knobs) -> dict[str, torch.Tensor]:
@@ -292,6 +313,7 @@ def evaluate(state: TrainerState, control: Control, loop: Loop) -> dict[str, Any
         total = state.accelerator.reduce(total, reduction="sum")
     loss_sum, tokens = total.tolist()
     eval_loss = loss_sum / tokens if tokens else float("nan")
+    tokens /= state.knobs.tp_size  # a TP group evaluates one copy of its data (the ratio above counts it tp times)
     metrics = {"kind": "eval", "step": state.step, "time": time.time(), "eval_loss": eval_loss,
                "eval_ppl": math.exp(min(eval_loss, 700.0)) if math.isfinite(eval_loss) else None,
                "eval_tokens": int(tokens)}
@@ -424,6 +446,9 @@ def apply_knob_changes(state: TrainerState, control: Control, loop: Loop) -> Non
     new = state.knobs.changed(changes)
     if new == state.knobs:
         return
+    if new.sp_size > 1 and new.micro_batch_size != state.knobs.micro_batch_size:
+        raise AdaptiveError(f"micro_batch_size cannot change under sequence parallelism (sp_size {new.sp_size}): "
+                            f"DeepSpeed's Ulysses attention is built for {state.knobs.micro_batch_size} sequences")
     old, state.knobs = state.knobs, new
     engine = state.model
     if (new.micro_batch_size, new.gradient_accumulation_steps) != (old.micro_batch_size,
@@ -473,22 +498,7 @@ def restore(state: TrainerState, loop: Loop, path: Path) -> None:
         raise AdaptiveError(f"checkpoint {path} is of {theirs.get('preset')} {theirs.get('arch')} "
                             f"({theirs.get('params_total')} parameters), this run trains {ours['preset']} {ours['arch']} "
                             f"({ours['params_total']}); resume with its recipe, or pass another --output-dir")
-    saved_knobs = dict(saved["knobs"])
-    if "checkpoint_policy" not in saved_knobs and not saved_knobs.get("gradient_checkpointing"):
-        saved_knobs["checkpoint_policy"] = state.knobs.checkpoint_policy  # written before the knob: as planned
-    try:
-        knobs = Knobs(**saved_knobs)
-    except TypeError as err:
-        raise AdaptiveError(f"checkpoint {path}: trainer_state.json has unusable knobs ({err})") from None
-    # the block length (the run's --seq-len) is fixed: the data position counts blocks of it; the
-    # seq_len in force is a runtime knob and comes back with the others below
-    fixed = [k for k in knobs.as_dict() if k not in Knobs.RUNTIME and getattr(knobs, k) != getattr(state.knobs, k)]
-    if fixed:
-        hint = (f" (--seq-len is the block length: resume with --seq-len {knobs.block_len}; the checkpoint's "
-                f"seq_len {knobs.seq_len} is put back in force)" if "block_len" in fixed else "")
-        raise AdaptiveError(f"checkpoint {path} was trained with other settings ("
-                            + ", ".join(f"{k} {getattr(knobs, k)} vs {getattr(state.knobs, k)}" for k in fixed)
-                            + f"); resume with the same ones{hint}")
+    knobs = checkpoint_knobs(path, saved["knobs"], state.knobs)
     if len(saved["samples_seen"]) != state.world_size:
         raise AdaptiveError(f"checkpoint {path}: trainer_state.json has {len(saved['samples_seen'])} data positions "
                             f"for {state.world_size} processes")
@@ -505,6 +515,28 @@ def restore(state: TrainerState, loop: Loop, path: Path) -> None:
     apply_knob_changes(state, control, loop)
     _apply_lr_scale(state, loop, force=True)
     loop.callbacks.load_state_dict(saved.get("callbacks") or {})
+
+
+def checkpoint_knobs(path: Path, saved: dict[str, Any], ours: Knobs) -> Knobs:
+    """The checkpoint's knobs; AdaptiveError, in one line, when a fixed one differs from this run's (ZeRO stage,
+    ep/sp/tp sizes, the block length: what the saved states and data position are laid out by)."""
+    saved = dict(saved)
+    if "checkpoint_policy" not in saved and not saved.get("gradient_checkpointing"):
+        saved["checkpoint_policy"] = ours.checkpoint_policy  # written before the knob: as planned
+    try:
+        knobs = Knobs(**saved)
+    except TypeError as err:
+        raise AdaptiveError(f"checkpoint {path}: trainer_state.json has unusable knobs ({err})") from None
+    # the block length (the run's --seq-len) is fixed: the data position counts blocks of it; the
+    # seq_len in force is a runtime knob and comes back with the others
+    fixed = [k for k in knobs.as_dict() if k not in Knobs.RUNTIME and getattr(knobs, k) != getattr(ours, k)]
+    if fixed:
+        hint = (f" (--seq-len is the block length: resume with --seq-len {knobs.block_len}; the checkpoint's "
+                f"seq_len {knobs.seq_len} is put back in force)" if "block_len" in fixed else "")
+        raise AdaptiveError(f"checkpoint {path} was trained with other settings ("
+                            + ", ".join(f"{k} {getattr(knobs, k)} vs {getattr(ours, k)}" for k in fixed)
+                            + f"); resume with the same ones{hint}")
+    return knobs
 
 
 def set_peak_lr(state: TrainerState, loop: Loop, lr: float) -> None:
@@ -544,12 +576,15 @@ def recover_from_oom(state: TrainerState, loop: Loop, step_batch: dict[str, torc
     gc.collect()
     if loop.device.type == "cuda":
         torch.cuda.empty_cache()
-    engine_internals.discard_gradients(state.model, _probe(step_batch, loop.device))
+    engine_internals.discard_gradients(state.model, _probe(step_batch, state.knobs, loop))
 
 
-def _probe(step_batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+def _probe(step_batch: dict[str, torch.Tensor], knobs: Knobs, loop: Loop) -> dict[str, torch.Tensor]:
+    if loop.sequence_shards is not None:  # Ulysses runs whole micro-batches: the first one's shard
+        batch = step_micro_batches(step_batch, knobs, loop)[0]
+        return {**{k: v.to(loop.device) for k, v in batch.items()}, **_loss_count(batch, loop)}
     n = min(16, step_batch["input_ids"].shape[1])  # the first tokens of one block: valid at any seq_len
-    return {k: v[:1, :n].to(device) for k, v in step_batch.items()}
+    return {k: v[:1, :n].to(loop.device) for k, v in step_batch.items()}
 
 
 def _local_grad_norm(engine: Any) -> float:
@@ -621,6 +656,7 @@ class _stop_on_sigterm:
 
 
 __all__ = ["EXPORT_REQUEST", "FINAL_EXPORT", "Loop", "LoopSettings", "STOP_REQUEST", "apply_knob_changes",
+           "checkpoint_knobs",
            "evaluate", "maybe_checkpoint", "maybe_evaluate", "model_identity", "require_finite_weights", "restore",
            "rollback", "save", "set_peak_lr",
            "step_once", "train", "train_step", "write_run_files"]

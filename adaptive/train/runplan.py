@@ -34,6 +34,7 @@ from adaptive.errors import AdaptiveError, from_validation
 from adaptive.extras import require
 from adaptive.train.callbacks import Knobs
 from adaptive.train.init_from import planned_model
+from adaptive.train.layout import check_layout, data_parallel_ranks
 from adaptive.plan import GPU, Plan, fit, get_gpu, make_request
 from adaptive.plan.ds_config_input import load as load_ds_file, offload_pin, pins
 from adaptive.plan.ds_config_schema import check as check_ds_shape
@@ -187,7 +188,7 @@ class RunPlan:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.knobs.tokens_per_step * self.world.size
+        return self.knobs.tokens_per_step * data_parallel_ranks(self.world.size, 1, self.knobs.tp_size)
 
     @property
     def peak_tflops(self) -> float | None:
@@ -253,13 +254,21 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
     checkpointing, ep_size = config.checkpointing.gradient_checkpointing, par.ep_size
     policy = config.checkpointing.checkpoint_policy  # off | full | selective | mlp | every:N (planner.py)
     global_tokens = None
+    layout = layout_pins(par, source.config)
+    pinned_sp, pinned_tp = layout["sp_size"] or 1, layout["tp_size"] or 1
+    # --grad-accum is DeepSpeed's gradient_accumulation_steps: a replica's micro-steps per optimizer step. Under
+    # SP, DeepSpeed's Ulysses data adapter makes each rank's micro-batch one of its group's micro-steps, so each
+    # rank loads accum / sp micro-batches (the loop's accumulation).
     if cpu:
         micro = micro or CPU_MICRO_BATCH
-        accum = accum or CPU_GRAD_ACCUM
+        accum = accum or CPU_GRAD_ACCUM * pinned_sp
         offload = offload or "none"
         checkpointing = bool(checkpointing) if policy is None else checkpointing
         ep_size = ep_size or 1
-        global_tokens = micro * accum * seq * world.size
+        global_tokens = micro * accum * seq * world.size // (pinned_tp * pinned_sp)  # over the replicas
+    if accum and accum % pinned_sp:
+        raise AdaptiveError(f"--grad-accum ({accum}) must be a multiple of --sp-size ({pinned_sp}): DeepSpeed's "
+                            "Ulysses data adapter runs each rank's micro-batch as one of its group's micro-steps")
     gpu = config.hardware.gpu
     tokens, max_steps = config.schedule.tokens, config.schedule.max_steps
     if tokens is not None and max_steps is not None:
@@ -270,7 +279,12 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
         gpus=world.per_node, nodes=world.nodes, seq_len=seq, global_batch_tokens=global_tokens,
         tokens=tokens, zero=zero, offload=offload, micro_batch=micro, grad_accum=accum,
         checkpointing=checkpointing, ep_size=ep_size, checkpoint_policy=policy,
+        sp_size=layout.get("sp_size"), tp_size=layout.get("tp_size"), zero_hpz=layout.get("zero_hpz"),
+        zero_quantize=layout.get("zero_quantize"),
     )
+    sp_size, tp_size = pinned_sp, pinned_tp  # pinned; else the plan's, below
+    check_layout(sp_size, tp_size, world.size, arch, request.spec.num_attention_heads,
+                 request.spec.num_key_value_heads)
     plan = fit(request, suggest=not cpu)
     if not plan.fits and not cpu:
         hint = f"; would fit: {plan.suggestions[0]}" if plan.suggestions else ""
@@ -280,13 +294,29 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
         )
     chosen = plan.shown
     s = chosen.setup
-    knobs = Knobs(micro_batch_size=s.micro_batch_size, gradient_accumulation_steps=chosen.grad_accum,
+    # what the plan chose where nothing pinned them (its setup's sp_size / tp_size, once the planner picks them)
+    sp_size, tp_size = (layout[k] or getattr(s, k, None) or 1 for k in ("sp_size", "tp_size"))
+    if chosen.grad_accum % sp_size:
+        raise AdaptiveError(f"the plan's gradient accumulation ({chosen.grad_accum}) must be a multiple of sp_size "
+                            f"({sp_size}); pin --grad-accum to one")
+    knobs = Knobs(micro_batch_size=s.micro_batch_size, gradient_accumulation_steps=chosen.grad_accum // sp_size,
                   seq_len=s.seq_len, gradient_checkpointing=s.gradient_checkpointing, zero_stage=s.zero_stage,
                   offload_optimizer=s.offload_optimizer, offload_params=s.offload_params, ep_size=s.ep_size,
-                  checkpoint_policy=s.checkpointing)
+                  checkpoint_policy=s.checkpointing,
+                  sp_size=sp_size, tp_size=tp_size)
+    spec = request.spec  # again: the plan's choice, where nothing was pinned
+    check_layout(sp_size, tp_size, world.size, arch, spec.num_attention_heads, spec.num_key_value_heads)
+    if sp_size > 1 and s.seq_len % sp_size:
+        raise AdaptiveError(f"the sequence ({s.seq_len} tokens) must be divisible by sp_size ({sp_size})")
     precision = precision_for(device, source, env)
     base = source.config if source.config is not None else ds_config(s, chosen.grad_accum, request.gpu)
-    cfg = finalize_ds_config(base, knobs, world.size, precision, pins.get("clipping"))
+    cfg = finalize_ds_config(base, knobs, world.size, precision, pins.get("clipping"), zero_plus(layout))
+    quantized = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if cfg["zero_optimization"].get(k)]
+    if cpu and quantized:
+        # qwZ fails building the model (zero/partition_parameters.py, CUDAQuantizer), qgZ in the first backward
+        # (comm/coalesced_collectives.py): DeepSpeed's CPU op builder has no QuantizerBuilder
+        raise AdaptiveError(f"ZeRO++ quantized communication ({', '.join(quantized)}) needs DeepSpeed's quantizer "
+                            "kernels, which it builds for GPUs only; on a CPU use --zero-quantize off (--zero-hpz runs)")
     max_steps = steps_for(max_steps, tokens, knobs, world.size, plan, cpu)
     requested = config.orchestrator.orchestrator
     enabled = requested == "on" or (requested == "auto" and plan.orchestrator.recommended)
@@ -295,26 +325,72 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
                    orchestrator_requested=requested, orchestrator=enabled, init_from=config.model.init_from)
 
 
+ZERO_PLUS = {"off": (False, False), "weights": (True, False), "gradients": (False, True), "both": (True, True)}
+
+
+def layout_pins(par: Any, file_cfg: dict[str, Any] | None) -> dict[str, Any]:
+    """--sp-size, --tp-size, --zero-hpz and --zero-quantize, merged with the explicit values of a DeepSpeed
+    file (its sequence_parallel_size, tensor_parallel.autotp_size, zero_optimization.zero_hpz_partition_size
+    and zero_quantized_weights/gradients pin them too); a flag that contradicts the file is an error."""
+    cfg = file_cfg or {}
+    zero = cfg.get("zero_optimization") or {}
+    quantized = [zero.get(k) for k in ("zero_quantized_weights", "zero_quantized_gradients")]
+    in_file = {
+        "sp_size": cfg.get("sequence_parallel_size"),
+        "tp_size": (cfg.get("tensor_parallel") or {}).get("autotp_size"),
+        "zero_hpz": zero.get("zero_hpz_partition_size"),
+        "zero_quantize": None if all(q in (None, "auto") for q in quantized) else
+        next(k for k, v in ZERO_PLUS.items() if v == tuple(bool(q is True) for q in quantized)),
+    }
+    source = DeepSpeedSource("file", "the DeepSpeed config")
+    out = {}
+    for key, flag in (("sp_size", par.sp_size), ("tp_size", par.tp_size), ("zero_hpz", par.zero_hpz),
+                      ("zero_quantize", par.zero_quantize)):
+        pinned = in_file[key] if _explicit(in_file[key]) else None
+        out[key] = _merge_pin(key, flag, pinned, source)
+    if out["tp_size"] == 0:  # DeepSpeed's autotp_size 0 is off
+        out["tp_size"] = 1
+    return out
+
+
+def zero_plus(layout: dict[str, Any]) -> dict[str, Any]:
+    """The ZeRO++ keys pinned (DeepSpeed's zero_optimization names); none when nothing is pinned."""
+    out: dict[str, Any] = {}
+    if layout.get("zero_hpz") is not None:
+        out["zero_hpz_partition_size"] = layout["zero_hpz"]
+    if layout.get("zero_quantize") is not None:
+        out["zero_quantized_weights"], out["zero_quantized_gradients"] = ZERO_PLUS[layout["zero_quantize"]]
+    return out
+
+
 def steps_for(max_steps: int | None, tokens: float | None, knobs: Knobs, world_size: int, plan: Plan,
               cpu: bool) -> int:
     """--max-steps; else --tokens over the tokens per step; else the plan's training tokens (GPU)
     or a short CPU run."""
     if max_steps is not None:
         return max_steps
-    per_step = knobs.tokens_per_step * world_size
+    per_step = knobs.tokens_per_step * data_parallel_ranks(world_size, 1, knobs.tp_size)
     if tokens is not None:
         return max(1, math.ceil(tokens / per_step))
     return CPU_MAX_STEPS if cpu else max(1, math.ceil(plan.train_tokens / per_step))
 
 
 def finalize_ds_config(base: dict[str, Any], knobs: Knobs, world_size: int, precision: str,
-                       clipping: float | None = None) -> dict[str, Any]:
-    """The config accelerate gets: batch sizes and ZeRO layout from the knobs, precision set,
-    clipping filled; only accelerate's hidden-size "auto" values remain."""
-    cfg = copy.deepcopy(base)
-    cfg["train_micro_batch_size_per_gpu"] = knobs.micro_batch_size
-    cfg["gradient_accumulation_steps"] = knobs.gradient_accumulation_steps
-    cfg["train_batch_size"] = knobs.sequences_per_step * world_size
+                       clipping: float | None = None, zero_plus_keys: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config accelerate gets: batch sizes, ZeRO layout, sequence and tensor parallelism from the knobs,
+    ZeRO++ switches pinned, precision set, clipping filled; only accelerate's hidden-size "auto" values
+    remain."""
+    cfg = ds_config_for_knobs(base, knobs, world_size)
+    if knobs.sp_size > 1:
+        cfg["sequence_parallel_size"] = knobs.sp_size
+    else:
+        cfg.pop("sequence_parallel_size", None)
+    if knobs.tp_size > 1:
+        cfg["tensor_parallel"] = {**(cfg.get("tensor_parallel") or {}), "autotp_size": knobs.tp_size}
+        # the HF export gathers the TP shards through DeepSpeed's 16-bit state dict, which this switch allows
+        cfg.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
+    elif "tensor_parallel" in cfg:
+        cfg["tensor_parallel"] = {**cfg["tensor_parallel"], "autotp_size": 0}  # DeepSpeed's off
     if not _explicit(cfg.get("gradient_clipping")):
         cfg["gradient_clipping"] = clipping if clipping is not None else GRADIENT_CLIPPING
     zero = cfg.setdefault("zero_optimization", {})
@@ -325,6 +401,13 @@ def finalize_ds_config(base: dict[str, Any], knobs: Knobs, world_size: int, prec
             zero[key] = {**section, "device": "cpu", "pin_memory": True}
         elif not on and key in zero:
             zero.pop(key)
+    zero.update(zero_plus_keys or {})
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    quantized = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if zero.get(k) is True]
+    if knobs.zero_stage != 3 and (hpz not in (0, 1, "auto") or quantized):
+        what = ", ".join([*(["zero_hpz_partition_size"] if hpz not in (0, 1, "auto") else []), *quantized])
+        raise AdaptiveError(f"ZeRO++ ({what}) works on ZeRO-3 partitions; the ZeRO stage is {knobs.zero_stage}: "
+                            "pin --zero 3, or leave ZeRO++ off")
     if knobs.offload_optimizer:
         # the loop builds DeepSpeedCPUAdam itself (betas 0.9/0.95); accelerate's own swap would drop the betas
         cfg["zero_force_ds_cpu_optimizer"] = False
@@ -374,8 +457,9 @@ def check_with_deepspeed(cfg: dict[str, Any], world_size: int) -> None:
     from pydantic import ValidationError
 
     checked = {k: v for k, v in copy.deepcopy(cfg).items() if k != "train_batch_size"}
+    sp = cfg.get("sequence_parallel_size") or 1  # Ulysses' mpu divides the world; AutoTP's mesh comes later
     try:
-        DeepSpeedConfig(checked, mpu=_DataParallel(world_size))
+        DeepSpeedConfig(checked, mpu=_DataParallel(max(1, data_parallel_ranks(world_size, sp, 1))))
     except ValidationError as err:
         section = "zero_optimization" if err.title == DeepSpeedZeroConfig.__name__ else err.title
         known = _keys_at(DeepSpeedZeroConfig, err.errors()[0]["loc"]) if section == "zero_optimization" else ()
@@ -386,10 +470,14 @@ def check_with_deepspeed(cfg: dict[str, Any], world_size: int) -> None:
 
 
 def ds_config_for_knobs(cfg: dict[str, Any], knobs: Knobs, world_size: int) -> dict[str, Any]:
-    """`cfg` with the batch knobs in force written back (after the orchestrator changed them)."""
+    """`cfg` with the batch knobs in force written back (after the orchestrator changed them). Under sequence
+    parallelism a rank runs the micro-batches of its whole SP group in turn (DeepSpeed's Ulysses data
+    adapter), so DeepSpeed counts sp x the accumulation over world / sp data-parallel ranks. Under AutoTP
+    DeepSpeed checks the batch against every process (`deepspeed.initialize` reads the config before it
+    builds the TP mesh), though a TP group shares its data."""
     out = copy.deepcopy(cfg)
     out["train_micro_batch_size_per_gpu"] = knobs.micro_batch_size
-    out["gradient_accumulation_steps"] = knobs.gradient_accumulation_steps
+    out["gradient_accumulation_steps"] = knobs.gradient_accumulation_steps * knobs.sp_size
     out["train_batch_size"] = knobs.sequences_per_step * world_size
     return out
 

@@ -25,6 +25,7 @@ from adaptive.engine import moe_param_groups
 from adaptive.plan.blocks import block_type
 from adaptive.train.callbacks import Knobs
 from adaptive.train.runplan import RunPlan
+from adaptive.train.sequence_parallel import ATTENTION as SP_ATTENTION, parallelism_config
 
 ADAM_BETAS = (0.9, 0.95)  # GPT-3's and Llama 2's betas (docs/BENCHMARKS.md, "Claims we compared against")
 ADAM_EPS = 1e-8
@@ -86,9 +87,12 @@ def make_accelerator(run: RunPlan, trackers: list[str] | None = None, output_dir
     mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[run.precision]
     project = {} if output_dir is None else {"project_config": ProjectConfiguration(
         project_dir=str(output_dir), logging_dir=str(logging_dir(output_dir)))}
+    # Ulysses: accelerate's prepare registers DeepSpeed's attention and passes its SP groups (sequence_parallel.py)
+    sequence = parallelism_config(run.knobs.sp_size, run.world.size)
     return Accelerator(deepspeed_plugin=plugin, mixed_precision=mixed,
-                       gradient_accumulation_steps=run.knobs.gradient_accumulation_steps,
-                       step_scheduler_with_optimizer=False, log_with=trackers or None, **project)
+                       gradient_accumulation_steps=run.ds_config["gradient_accumulation_steps"],
+                       step_scheduler_with_optimizer=False, log_with=trackers or None,
+                       **({"parallelism_config": sequence} if sequence is not None else {}), **project)
 
 
 def quiet_libraries(is_main: bool) -> None:
@@ -129,8 +133,10 @@ def load_data(options: DataOptions, seed: int, run: RunPlan, accelerator: Any, m
     with accelerator.main_process_first():
         tokenizer = load_tokenizer(options.tokenizer or tokenizer_folder(run.init_from))  # the checkpoint's own
         require_fits_vocab(tokenizer, model_vocab_size)
-        train, evaluation = build_datasets(cfg, tokenizer, rank=accelerator.process_index,
-                                           world_size=accelerator.num_processes)
+        # a TP group (consecutive ranks, DeepSpeed's TP mesh) trains on one copy of the data
+        tp = run.knobs.tp_size
+        train, evaluation = build_datasets(cfg, tokenizer, rank=accelerator.process_index // tp,
+                                           world_size=accelerator.num_processes // tp)
     if options.data_workers and not isinstance(train, StreamingPackedDataset):
         logger.warning("--data-workers %d ignored: %s is tokenized once up front (map-style), not streamed",
                        options.data_workers, dataset or "the shipped corpus")
@@ -162,7 +168,9 @@ def build_model(run: RunPlan, tokenizer: Any, seed: int) -> Any:
         config = target_config(run.init_from, run.plan.request.spec, **settings)
     else:
         config = AdaptiveConfig.from_preset(run.preset, arch=run.arch, **settings)
-    model = AdaptiveForCausalLM._from_config(config, dtype=torch.float32)  # under ZeRO-3: deepspeed.zero.Init
+    # under ZeRO-3: deepspeed.zero.Init; under Ulysses, the attention its registration expects
+    attention = {"attn_implementation": SP_ATTENTION} if knobs.sp_size > 1 else {}
+    model = AdaptiveForCausalLM._from_config(config, dtype=torch.float32, **attention)
     if run.init_from:
         load_init_weights(model, run.init_from)
     elif knobs.ep_size > 1 and config.moe_layers:

@@ -186,3 +186,25 @@ def test_resume_with_no_checkpoint_is_refused_before_launch_writes_anything(tmp_
         f"error: --resume: {tmp_path} holds no complete checkpoint, so nothing was written; launch a fresh run "
         "without --resume"]
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoints"]
+
+
+@pytest.mark.parametrize("flags, section", [
+    (("--sp-size", "2"), lambda ds: ds["sequence_parallel_size"] == 2),
+    (("--tp-size", "2"), lambda ds: ds["tensor_parallel"] == {"autotp_size": 2}),
+    (("--zero", "3", "--zero-hpz", "2", "--zero-quantize", "both"),
+     lambda ds: (ds["zero_optimization"]["zero_hpz_partition_size"], ds["zero_optimization"]["zero_quantized_weights"],
+                 ds["zero_optimization"]["zero_quantized_gradients"]) == (2, True, True)),
+])
+def test_sp_tp_and_zero_plus_plus_pins_reach_the_recipe_and_deepspeed_accepts_them(flags, section, tmp_path):
+    out = launch_json(str(REPO_ROOT / "recipes" / "debug_dense.py"), "--gpu", "a100-80gb", "--gpus", "2",
+                      "--run-dir", str(tmp_path), *flags)
+    recipe_args = shlex.split(out["commands"][0])[4:]
+    assert " ".join(flags) in " ".join(recipe_args)  # pinned like every knob: the recipe gets them
+    done = subprocess.run([sys.executable, *recipe_args, "--dry-run", "--gpus", "2"], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=60, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr
+    ds = json.loads(done.stdout)["ds_config"]
+    assert section(ds), ds
+    from adaptive.train.runplan import check_with_deepspeed
+
+    check_with_deepspeed(ds, 2)  # DeepSpeed's own DeepSpeedConfig takes every key
