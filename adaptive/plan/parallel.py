@@ -83,6 +83,11 @@ def layout_error(spec: ModelSpec, layout: Layout, *, world: int, gpus_per_node: 
         return f"--tp-size ({tp}) must not exceed the GPUs per node ({gpus_per_node}): AutoTP all-reduces every layer"
     if tp > 1 and (err := tp_heads_error(spec, tp)):
         return err
+    if tp > 1 and zero_stage == 0:
+        # without a ZeRO optimizer DeepSpeed clips with torch's norm over this rank's parameters only (no mpu under
+        # AutoTP): measured on two CPU ranks, a norm of 1.28 where the whole model's is 1.60
+        return (f"--tp-size {tp} with --zero 0: DeepSpeed's gradient norm (and clipping) without a ZeRO optimizer "
+                "sees only this rank's AutoTP shards; use ZeRO 1-3")
     if tp > 1 and spec.is_moe:
         # DeepSpeed folds expert groups into the TP mesh only through AutoEP (engine._configure_expert_parallel),
         # which replaces transformers-style MoE blocks; the native MoE layer's expert groups ignore that mesh

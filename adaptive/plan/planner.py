@@ -430,6 +430,8 @@ def search(req: FitRequest, spec: ModelSpec, global_tokens: int, host_mem: int,
             for layout in (lay for lay in layouts if lay.degree == degree):
                 replicas = req.world_size // degree
                 for zero, off in zero_offload_candidates(req):
+                    if zero == 0 and layout.tp > 1:
+                        continue  # parallel.py: ZeRO-0's gradient clipping is blind to AutoTP's shards
                     for variant in zeropp_variants(req, zero, layout):
                         for ep in ep_candidates(req):
                             if spec.is_moe and replicas % ep:

@@ -130,6 +130,7 @@ def test_the_scenario_plans_emit_configs_deepspeed_accepts(single_process_group)
 
 @pytest.mark.parametrize("kw, message", [
     (dict(tp_size=2, sp_size=2), "does not compose AutoTP with Ulysses SP"),
+    (dict(tp_size=2, zero=0), "without a ZeRO optimizer sees only this rank's AutoTP shards"),
     (dict(nodes=2, tp_size=16), r"--tp-size \(16\) must not exceed the GPUs per node \(8\)"),
     (dict(nodes=8, sp_size=64), r"attention heads \(32\) must be divisible by --sp-size \(64\)"),
     (dict(arch="mod", sp_size=2), "MoD routes top-k over the whole sequence"),
