@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from adaptive.models.lean import experts_matmul, experts_swiglu_down
+
 
 class MoEStats(NamedTuple):
     """What one MoE layer reports per forward; all tensors, no host sync."""
@@ -210,10 +212,13 @@ class GroupedExperts(nn.Module):
       `torch._grouped_mm` calls where its kernel takes them (CUDA in bf16, CPU in fp32, rows 16-byte
       aligned); else an exact loop of per-expert matmuls. On CPU both give bitwise-equal outputs and
       gradients without biases (tests/models/test_moe.py).
+
+    `lean` (silu only): the SwiGLU and down projection run through `lean.ExpertsSwiGLUDownFunction`, which keeps
+    the gate_up output (4f per row) instead of gate, silu(gate), up and their product (8f); same values.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False,
-                 act: str = "silu"):
+                 act: str = "silu", lean: bool = False):
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
@@ -221,27 +226,33 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size)) if bias else None
         self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size)) if bias else None
         self.act_fn = ACT2FN[act]
+        self.lean = lean and act == "silu"
 
     def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate) * up
+
+    def _down(self, gate_up: torch.Tensor, counts: list[int] | None, grouped_mm: bool) -> torch.Tensor:
+        """down_e(act(gate) * up) per expert, without the down bias (the loop adds it fused)."""
+        if self.lean:
+            return experts_swiglu_down(gate_up, self.down_proj, counts, grouped_mm)
+        return experts_matmul(self._swiglu(gate_up), self.down_proj.transpose(1, 2), counts, grouped_mm)
 
     def batched(self, buffer: torch.Tensor) -> torch.Tensor:
         """buffer [E, C, hidden] -> [E, C, hidden]: expert e on row block e."""
         h = torch.bmm(buffer, self.gate_up_proj.transpose(1, 2))
         if self.gate_up_proj_bias is not None:
             h = h + self.gate_up_proj_bias[:, None, :]
-        out = torch.bmm(self._swiglu(h), self.down_proj.transpose(1, 2))
+        out = self._down(h, None, False)
         return out if self.down_proj_bias is None else out + self.down_proj_bias[:, None, :]
 
     def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [N, hidden] sorted by expert, `counts[e]` rows each -> [N, hidden]."""
         if _use_grouped_mm(x, self.gate_up_proj.shape[-1], self.intermediate_size):
-            offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            h = torch._grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offsets)
+            h = experts_matmul(x, self.gate_up_proj.transpose(1, 2), counts, True)
             if self.gate_up_proj_bias is not None:
                 h = h + self.gate_up_proj_bias.repeat_interleave(torch.tensor(counts, device=x.device), dim=0)
-            out = torch._grouped_mm(self._swiglu(h), self.down_proj.transpose(1, 2), offs=offsets)
+            out = self._down(h, counts, True)
             if self.down_proj_bias is not None:
                 out = out + self.down_proj_bias.repeat_interleave(torch.tensor(counts, device=x.device), dim=0)
             return out
@@ -250,6 +261,13 @@ class GroupedExperts(nn.Module):
         no_bias = [None] * self.num_experts
         gate_up_bias = no_bias if self.gate_up_proj_bias is None else self.gate_up_proj_bias.unbind(0)
         down_bias = no_bias if self.down_proj_bias is None else self.down_proj_bias.unbind(0)
+        if self.lean:  # the loop's gate_up outputs in one tensor, the SwiGLU and down projection through lean
+            h = torch.cat([F.linear(group, w1, b1) for group, w1, b1 in
+                           zip(x.split(counts), self.gate_up_proj.unbind(0), gate_up_bias)])
+            out = self._down(h, counts, False)
+            if self.down_proj_bias is not None:
+                out = out + self.down_proj_bias.repeat_interleave(torch.tensor(counts, device=x.device), dim=0)
+            return out
         outputs = [
             F.linear(self._swiglu(F.linear(group, w1, b1)), w2, b2)
             for group, w1, b1, w2, b2 in zip(x.split(counts), self.gate_up_proj.unbind(0), gate_up_bias,
@@ -284,11 +302,11 @@ class NativeMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, k: int,
                  capacity_factor: float, eval_capacity_factor: float | None, min_capacity: int, drop_tokens: bool,
                  noisy_gate_policy: str | None, top2_2nd_expert_sampling: bool, bias: bool = False,
-                 act: str = "silu"):
+                 act: str = "silu", lean: bool = False):
         super().__init__()
         self.gate = MoEGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
                             drop_tokens, noisy_gate_policy, top2_2nd_expert_sampling)
-        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size, bias, act)
+        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size, bias, act, lean)
         self.num_experts = num_experts
         convert_on_load(self, to_deepspeed=False)  # DeepSpeed-named weights load too
 

@@ -87,8 +87,8 @@ def moe_layer_bytes(s: ModelSpec, tokens: int, capacity_factor: float, kernels: 
     the router input in fp32 (4h); fp32 logits and softmax (8E) and a
     bool mask (E); routing indices, weights and masks (31k bytes for top-k); the combine's gathered
     expert outputs (2kh). Per capacity slot (E·C of them): the dispatched input (2h), the expert's
-    SwiGLU and the slot's source index (8). The experts run Mixtral's grouped layout (3D weights, one
-    gate-up matmul) with plain ops whatever `kernels` says: their SwiGLU saves `swiglu_bytes(f, "plain")`.
+    SwiGLU (`swiglu_bytes`: lean keeps the gate_up output, 4f, in both implementations) and the slot's
+    source index (8).
     Per layer: the fp32 copy of the router weight (4Eh).
     A Qwen2-MoE shared expert adds its SwiGLU over every token (8 bytes per unit of its width; measured
     slope 8.00 on transformers' class; its sigmoid gate's few bytes are within the router terms' error).
@@ -97,7 +97,7 @@ def moe_layer_bytes(s: ModelSpec, tokens: int, capacity_factor: float, kernels: 
     slots = e * expert_capacity(tokens, s, capacity_factor)
     per_token = (attention_half_bytes(s, kernels) + norm_bytes(h, kernels) - 2 * h + 4 * h + 9 * e + 4 + 31 * k
                  + 2 * k * h + 8 * s.shared_expert_intermediate_size)
-    return tokens * per_token + slots * (2 * h + swiglu_bytes(f, "plain") + 8) + 4 * e * h + 4 * e + 8
+    return tokens * per_token + slots * (2 * h + swiglu_bytes(f, kernels) + 8) + 4 * e * h + 4 * e + 8
 
 
 def mod_selected(s: ModelSpec, seq_len: int) -> int:

@@ -238,11 +238,12 @@ def test_rsample_noise_applies_in_training_only():
     assert torch.equal(gate(x).experts[0], (x @ gate.weight.t()).argmax(dim=-1))
 
 
+@pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_grouped_mm_and_the_per_expert_loop_are_bitwise_equal(monkeypatch, bias):
+def test_grouped_mm_and_the_per_expert_loop_are_bitwise_equal(monkeypatch, bias, lean):
     from adaptive.models import moe
 
-    experts = moe.GroupedExperts(8, 32, 48, bias=bias)
+    experts = moe.GroupedExperts(8, 32, 48, bias=bias, lean=lean)
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_(generator=torch.Generator().manual_seed(p.numel()))
