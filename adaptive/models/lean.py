@@ -135,7 +135,7 @@ class ExpertsSwiGLUDownFunction(torch.autograd.Function):
         gate, up = gate_up.chunk(2, dim=-1)
         ctx.save_for_backward(gate_up, weight)
         ctx.counts, ctx.grouped_mm = counts, grouped_mm
-        return experts_matmul(F.silu(gate) * up, weight.transpose(1, 2), counts, grouped_mm)
+        return experts_matmul(F.silu(gate).mul_(up), weight.transpose(1, 2), counts, grouped_mm)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -143,19 +143,24 @@ class ExpertsSwiGLUDownFunction(torch.autograd.Function):
         counts, grouped_mm = ctx.counts, ctx.grouped_mm
         gate, up = gate_up.chunk(2, dim=-1)
         silu = F.silu(gate)
-        product = silu * up
         grad_weight = None
         if ctx.needs_input_grad[1]:
+            product = silu * up
             if counts is None:
                 grad_weight = torch.bmm(grad.transpose(1, 2), product)
             elif grouped_mm:
                 grad_weight = torch._grouped_mm(grad.t(), product, offs=_offsets(counts, grad.device))
             else:
                 grad_weight = torch.stack([g.t().mm(p) for g, p in zip(grad.split(counts), product.split(counts))])
+            del product
         grad_gate_up = None
         if ctx.needs_input_grad[0]:
             grad_product = experts_matmul(grad, weight, counts, grouped_mm)
-            grad_gate_up = torch.cat(_swiglu_input_grads(grad_product, gate, up, silu), dim=-1)
+            # `_swiglu_input_grads` written into the two halves: no concatenation copy (plain's chunk backward has one)
+            grad_gate_up = torch.empty_like(gate_up)
+            grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
+            torch.ops.aten.silu_backward.grad_input(grad_product * up, gate, grad_input=grad_gate)
+            torch.mul(grad_product, silu, out=grad_up)
         return grad_gate_up, grad_weight, None, None
 
 

@@ -13,6 +13,7 @@ from adaptive.models.lean import (
     ChunkedLMLossFunction,
     LeanLMHead,
     SwiGLUDownFunction,
+    experts_swiglu_down,
     rms_norm,
     swiglu,
 )
@@ -137,6 +138,12 @@ def test_swiglu_functions_pass_gradcheck_in_float64():
     bias = torch.randn(3, dtype=torch.float64, generator=g, requires_grad=True)
     assert torch.autograd.gradcheck(swiglu, (gate, up))
     assert torch.autograd.gradcheck(SwiGLUDownFunction.apply, (gate, up, down, bias))
+    # the experts' form: a [E, C, 2I] slot buffer, and rows in groups (an empty one included) for the loop
+    experts = torch.randn(3, 4, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    slots = torch.randn(3, 5, 14, dtype=torch.float64, generator=g, requires_grad=True)
+    rows = torch.randn(9, 14, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(experts_swiglu_down, (slots, experts))
+    assert torch.autograd.gradcheck(lambda x, w: experts_swiglu_down(x, w, [4, 0, 5]), (rows, experts))
 
 
 def test_lean_modules_keep_the_plain_state_dict_keys():
