@@ -15,8 +15,9 @@ Prints:
 - native MoE (8 experts, top-2, every layer) vs a dense model with the same active parameters; target <= 1.3x;
 - our native MoE block vs transformers' MixtralSparseMoeBlock with the same weights (outputs checked equal
   first), at 8, 32 and 64 experts (top-2, 2048 tokens, expert width 704); target: not slower.
-  Both blocks hold the same 3D expert tensors (Mixtral's layout); on CPU ours runs an exact per-expert
-  loop over the sorted groups, theirs `grouped_mm` (transformers' default) and `eager`;
+  Both blocks hold the same 3D expert tensors (Mixtral's layout) and run `torch._grouped_mm` on the CPU in
+  fp32 (bitwise equal to a per-expert loop); ours with lean kernels (the default) and with plain ones,
+  theirs `grouped_mm` (transformers' default) and `eager`;
 - lean kernels (the default: adaptive/models/lean.py) vs plain kernels (transformers' Llama ops), dense and
   MoE; target <= 1.10x.
 """
@@ -90,14 +91,17 @@ def mixtral_twin(block) -> torch.nn.Module:
 
 
 def moe_block_rows(x: torch.Tensor, repeats: int, experts: int) -> tuple[dict[str, float], float]:
-    """ms per fwd+bwd of our block (no drop) and Mixtral's (grouped_mm, eager) at `experts` experts."""
+    """ms per fwd+bwd of our block (no drop; lean and plain kernels) and Mixtral's (grouped_mm, eager) at
+    `experts` experts."""
     ours = build("moe", drop_tokens=False, num_local_experts=experts).model.layers[0].mlp.train()
+    plain = build("moe", drop_tokens=False, num_local_experts=experts, kernels="plain").model.layers[0].mlp.train()
+    plain.load_state_dict(ours.state_dict())
     theirs = mixtral_twin(ours)
     with torch.no_grad():
         diff = (ours(x)[0] - theirs(x[None])[0]).abs().max().item()
     assert diff < 1e-5, f"native MoE block and Mixtral block disagree by {diff} at {experts} experts"
     theirs.experts.config._experts_implementation = "grouped_mm"  # transformers' default for Mixtral models
-    times = time_interleaved({"ours": lambda: block_step(ours, x),
+    times = time_interleaved({"ours": lambda: block_step(ours, x), "ours_plain": lambda: block_step(plain, x),
                               "mixtral_grouped_mm": lambda: block_step(theirs, x[None])}, repeats)
     theirs.experts.config._experts_implementation = "eager"
     times.update(time_interleaved({"mixtral_eager": lambda: block_step(theirs, x[None])}, repeats))
@@ -165,12 +169,14 @@ def main() -> None:
     ]
     print(f"MoE block fwd+bwd on {x.shape[0]} tokens, top-2, expert width 704 (ours with capacity 1.0, 8 experts: "
           f"{capacity_ms * 1e3:.1f} ms/step):")
-    print(f"  {'experts':>7} {'ours':>9} {'grouped_mm':>11} {'eager':>9}   max |ours - Mixtral|")
+    print(f"  {'experts':>7} {'ours':>9} {'ours plain':>11} {'grouped_mm':>11} {'eager':>9}   max |ours - Mixtral|")
     for e, (t, diff) in experts_rows.items():
-        print(f"  {e:>7} {t['ours'] * 1e3:9.1f} {t['mixtral_grouped_mm'] * 1e3:11.1f} {t['mixtral_eager'] * 1e3:9.1f}"
-              f"   {diff:.1e}")
+        print(f"  {e:>7} {t['ours'] * 1e3:9.1f} {t['ours_plain'] * 1e3:11.1f} {t['mixtral_grouped_mm'] * 1e3:11.1f}"
+              f" {t['mixtral_eager'] * 1e3:9.1f}   {diff:.1e}")
         rows += [
             (f"our MoE block / Mixtral grouped_mm, {e} experts", t["ours"] / t["mixtral_grouped_mm"], "<= 1.0"),
+            (f"our MoE block plain / Mixtral grouped_mm, {e} experts", t["ours_plain"] / t["mixtral_grouped_mm"],
+             "<= 1.0"),
             (f"our MoE block / Mixtral eager, {e} experts", t["ours"] / t["mixtral_eager"], "<= 1.0"),
         ]
     for name, ratio, target in rows:

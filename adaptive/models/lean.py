@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adaptive.models.grouped import experts_matmul, experts_weight_grad
 from adaptive.plan.activations import loss_chunk_tokens
 
 IGNORE_INDEX = -100  # transformers' ignore index for labels
@@ -127,7 +128,7 @@ class ExpertsSwiGLUDownFunction(torch.autograd.Function):
 
     Layouts (`counts`): None, a slot buffer gate_up [E, C, 2I] run as one bmm; else rows gate_up [N, 2I]
     sorted by expert, `counts[e]` each, run as `torch._grouped_mm` (`grouped_mm`) or a per-expert loop of
-    matmuls. weight is down_proj [E, H, I]. The backward's matmuls are those autograd runs for the plain ops.
+    matmuls (`grouped.experts_matmul`). weight is down_proj [E, H, I].
     """
 
     @staticmethod
@@ -146,12 +147,7 @@ class ExpertsSwiGLUDownFunction(torch.autograd.Function):
         grad_weight = None
         if ctx.needs_input_grad[1]:
             product = silu * up
-            if counts is None:
-                grad_weight = torch.bmm(grad.transpose(1, 2), product)
-            elif grouped_mm:
-                grad_weight = torch._grouped_mm(grad.t(), product, offs=_offsets(counts, grad.device))
-            else:
-                grad_weight = torch.stack([g.t().mm(p) for g, p in zip(grad.split(counts), product.split(counts))])
+            grad_weight = experts_weight_grad(grad, product, counts, grouped_mm)
             del product
         grad_gate_up = None
         if ctx.needs_input_grad[0]:
@@ -162,19 +158,6 @@ class ExpertsSwiGLUDownFunction(torch.autograd.Function):
             torch.ops.aten.silu_backward.grad_input(grad_product * up, gate, grad_input=grad_gate)
             torch.mul(grad_product, silu, out=grad_up)
         return grad_gate_up, grad_weight, None, None
-
-
-def _offsets(counts: list[int], device) -> torch.Tensor:
-    return torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
-
-
-def experts_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | None, grouped_mm: bool):
-    """x @ weight[e] per expert: x [E, C, K] (counts None) or [N, K] in groups; weight [E, K, M]."""
-    if counts is None:
-        return torch.bmm(x, weight)
-    if grouped_mm:
-        return torch._grouped_mm(x, weight, offs=_offsets(counts, x.device))
-    return torch.cat([part.mm(w) for part, w in zip(x.split(counts), weight.unbind(0))])
 
 
 def experts_swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, counts: list[int] | None = None,
@@ -266,4 +249,4 @@ def lean_causal_lm_loss(head: LeanLMHead, hidden: torch.Tensor, labels: torch.Te
 
 __all__ = ["RMSNormFunction", "SwiGLUFunction", "SwiGLUDownFunction", "ExpertsSwiGLUDownFunction",
            "ChunkedLMLossFunction", "LeanSwiGLUDown", "LeanLMHead", "rms_norm", "swiglu", "experts_swiglu_down",
-           "experts_matmul", "lean_causal_lm_loss", "shift_labels"]
+           "lean_causal_lm_loss", "shift_labels"]

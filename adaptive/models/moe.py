@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from adaptive.models.lean import experts_matmul, experts_swiglu_down
+from adaptive.models.grouped import grouped_linear
+from adaptive.models.lean import experts_swiglu_down
 
 
 class MoEStats(NamedTuple):
@@ -206,12 +207,12 @@ def gate_routes(gate: nn.Module, x: torch.Tensor, ep_group=None, used: torch.Ten
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU experts as 3D tensors (transformers' MixtralExperts layout).
 
-    Two ways to run them, both exact per expert:
+    Two ways to run them, both exact per expert (the matmuls and their backward: `grouped.grouped_linear`):
     - `batched(buffer [E, C, hidden])`: one batched matmul over a fixed slot buffer (training with capacity);
     - `grouped(x [N, hidden], counts)`: tokens sorted by expert into contiguous groups, run as two
       `torch._grouped_mm` calls where its kernel takes them (CUDA in bf16, CPU in fp32, rows 16-byte
       aligned); else an exact loop of per-expert matmuls. On CPU both give bitwise-equal outputs and
-      gradients without biases (tests/models/test_moe.py).
+      gradients (tests/models/test_moe.py).
 
     `lean` (silu only): the SwiGLU and down projection run through `lean.ExpertsSwiGLUDownFunction`, which keeps
     the gate_up output (4f per row) instead of gate, silu(gate), up and their product (8f); same values.
@@ -232,48 +233,31 @@ class GroupedExperts(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate) * up
 
-    def _down(self, gate_up: torch.Tensor, counts: list[int] | None, grouped_mm: bool) -> torch.Tensor:
-        """down_e(act(gate) * up) per expert, without the down bias (the loop adds it fused)."""
-        if self.lean:
-            return experts_swiglu_down(gate_up, self.down_proj, counts, grouped_mm)
-        return experts_matmul(self._swiglu(gate_up), self.down_proj.transpose(1, 2), counts, grouped_mm)
-
     def batched(self, buffer: torch.Tensor) -> torch.Tensor:
         """buffer [E, C, hidden] -> [E, C, hidden]: expert e on row block e."""
-        h = torch.bmm(buffer, self.gate_up_proj.transpose(1, 2))
-        if self.gate_up_proj_bias is not None:
-            h = h + self.gate_up_proj_bias[:, None, :]
-        out = self._down(h, None, False)
-        return out if self.down_proj_bias is None else out + self.down_proj_bias[:, None, :]
+        return self._run(buffer, None, False)
 
     def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [N, hidden] sorted by expert, `counts[e]` rows each -> [N, hidden]."""
-        if _use_grouped_mm(x, self.gate_up_proj.shape[-1], self.intermediate_size):
-            h = experts_matmul(x, self.gate_up_proj.transpose(1, 2), counts, True)
-            if self.gate_up_proj_bias is not None:
-                h = h + self.gate_up_proj_bias.repeat_interleave(torch.tensor(counts, device=x.device), dim=0)
-            out = self._down(h, counts, True)
-            if self.down_proj_bias is not None:
-                out = out + self.down_proj_bias.repeat_interleave(torch.tensor(counts, device=x.device), dim=0)
-            return out
-        # unbind, not [e]: its backward stacks the experts' gradients once instead of one full-size zero
-        # tensor per expert. Empty groups run too: every expert then joins the autograd graph, as DDP/ZeRO expect.
-        no_bias = [None] * self.num_experts
-        gate_up_bias = no_bias if self.gate_up_proj_bias is None else self.gate_up_proj_bias.unbind(0)
-        down_bias = no_bias if self.down_proj_bias is None else self.down_proj_bias.unbind(0)
-        if self.lean:  # the loop's gate_up outputs in one tensor, the SwiGLU and down projection through lean
-            h = torch.cat([F.linear(group, w1, b1) for group, w1, b1 in
-                           zip(x.split(counts), self.gate_up_proj.unbind(0), gate_up_bias)])
-            out = self._down(h, counts, False)
-            if self.down_proj_bias is not None:
-                out = out + self.down_proj_bias.repeat_interleave(torch.tensor(counts, device=x.device), dim=0)
-            return out
-        outputs = [
-            F.linear(self._swiglu(F.linear(group, w1, b1)), w2, b2)
-            for group, w1, b1, w2, b2 in zip(x.split(counts), self.gate_up_proj.unbind(0), gate_up_bias,
-                                             self.down_proj.unbind(0), down_bias)
-        ]
-        return torch.cat(outputs)
+        return self._run(x, counts, _use_grouped_mm(x, self.gate_up_proj.shape[-1], self.intermediate_size))
+
+    def _run(self, x: torch.Tensor, counts: list[int] | None, grouped_mm: bool) -> torch.Tensor:
+        # Every expert's weights enter the graph, empty groups too: DDP/ZeRO expect a gradient for each.
+        h = grouped_linear(x, self.gate_up_proj, counts, grouped_mm)
+        if self.gate_up_proj_bias is not None:
+            h = h + _bias_rows(self.gate_up_proj_bias, counts)
+        if self.lean:
+            out = experts_swiglu_down(h, self.down_proj, counts, grouped_mm)
+        else:
+            out = grouped_linear(self._swiglu(h), self.down_proj, counts, grouped_mm)
+        return out if self.down_proj_bias is None else out + _bias_rows(self.down_proj_bias, counts)
+
+
+def _bias_rows(bias: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
+    """bias [E, M] broadcast to the layout: [E, 1, M] for the slot buffer, one row per grouped row."""
+    if counts is None:
+        return bias[:, None, :]
+    return bias.repeat_interleave(torch.tensor(counts, device=bias.device), dim=0)
 
 
 def _use_grouped_mm(x: torch.Tensor, hidden: int, intermediate: int) -> bool:
