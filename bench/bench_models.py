@@ -62,6 +62,9 @@ def block_step(block: torch.nn.Module, x: torch.Tensor) -> None:
     out.float().square().mean().backward()
 
 
+CLOCK = time.perf_counter  # --cpu-time: time.process_time, the CPU this process used (steadier on a shared machine)
+
+
 def time_interleaved(cases: dict, repeats: int) -> dict[str, float]:
     """Median seconds per call; one warm-up each, then the cases take turns."""
     for fn in cases.values():
@@ -69,9 +72,9 @@ def time_interleaved(cases: dict, repeats: int) -> dict[str, float]:
     samples = {name: [] for name in cases}
     for _ in range(repeats):
         for name, fn in cases.items():
-            start = time.perf_counter()
+            start = CLOCK()
             fn()
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(CLOCK() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -90,7 +93,7 @@ def mixtral_twin(block) -> torch.nn.Module:
     return twin.train()
 
 
-def moe_block_rows(x: torch.Tensor, repeats: int, experts: int) -> tuple[dict[str, float], float]:
+def moe_block_rows(x: torch.Tensor, repeats: int, experts: int, eager: bool = True) -> tuple[dict[str, float], float]:
     """ms per fwd+bwd of our block (no drop; lean and plain kernels) and Mixtral's (grouped_mm, eager) at
     `experts` experts."""
     ours = build("moe", drop_tokens=False, num_local_experts=experts).model.layers[0].mlp.train()
@@ -104,7 +107,9 @@ def moe_block_rows(x: torch.Tensor, repeats: int, experts: int) -> tuple[dict[st
     times = time_interleaved({"ours": lambda: block_step(ours, x), "ours_plain": lambda: block_step(plain, x),
                               "mixtral_grouped_mm": lambda: block_step(theirs, x[None])}, repeats)
     theirs.experts.config._experts_implementation = "eager"
-    times.update(time_interleaved({"mixtral_eager": lambda: block_step(theirs, x[None])}, repeats))
+    times["mixtral_eager"] = float("nan")
+    if eager:
+        times.update(time_interleaved({"mixtral_eager": lambda: block_step(theirs, x[None])}, repeats))
     return times, diff
 
 
@@ -119,7 +124,12 @@ def main() -> None:
                         help="expert counts of the MoE block rows")
     parser.add_argument("--blocks-only", action="store_true", help="only the MoE block rows (skip the models)")
     parser.add_argument("--kernels-only", action="store_true", help="only lean vs plain kernels")
+    parser.add_argument("--no-eager", action="store_true", help="skip Mixtral's eager experts (minutes at 64 experts)")
+    parser.add_argument("--cpu-time", action="store_true", help="time the process's CPU use, not the wall clock")
     args = parser.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.process_time
     if args.quick:
         args.repeats, args.seq = 2, 128
     torch.set_num_threads(args.threads)
@@ -156,7 +166,8 @@ def main() -> None:
     x = torch.randn(args.batch * args.seq, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(1))
     capacity_block = build("moe").model.layers[0].mlp.train()  # capacity_factor 1.0: the training default
     capacity_ms = time_interleaved({"c": lambda: block_step(capacity_block, x)}, 3 * args.repeats)["c"]
-    experts_rows = {e: moe_block_rows(x, 3 * args.repeats, e) for e in args.experts}  # blocks are fast: more repeats
+    # blocks are fast: more repeats
+    experts_rows = {e: moe_block_rows(x, 3 * args.repeats, e, not args.no_eager) for e in args.experts}
 
     print(f"CPU, {args.threads} threads, batch {args.batch} x seq {args.seq}, hidden {SHAPE['hidden_size']}, "
           f"{SHAPE['num_hidden_layers']} layers, median of {args.repeats} fwd+bwd steps")
