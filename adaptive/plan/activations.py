@@ -204,11 +204,14 @@ def loss_working_bytes(s: ModelSpec, tokens: int, kernels: str = "lean") -> int:
     return 8 * tile * v + 2 * tokens * h + 2 * v * h
 
 
-def moe_backward_bytes(s: ModelSpec, tokens: int, capacity_factor: float) -> float:
+def moe_backward_bytes(s: ModelSpec, tokens: int, capacity_factor: float, kernels: str = "lean") -> float:
     """Working set of one MoE layer's backward, fitted to measurements of random shapes: gradients of
-    the gathered tokens (2.8h per token) and of the dispatched capacity slots (5.6h per slot)."""
+    the gathered tokens (2.8h per token) and of the dispatched capacity slots (5.6h per slot). Lean experts
+    rebuild silu(gate) beside the product's and gate_up's gradients: 5f more per slot (fitted: debug and
+    debug_200m MoE, seq 2048, micro-batch 8, where the backward sets the peak; 3.6f and 7.2f alone)."""
     slots = s.num_local_experts * expert_capacity(tokens, s, capacity_factor)
-    return 2.8 * tokens * s.hidden_size + 5.6 * slots * s.hidden_size
+    lean = 5 * s.moe_intermediate_size if kernels == "lean" else 0
+    return 2.8 * tokens * s.hidden_size + (5.6 * s.hidden_size + lean) * slots
 
 
 @lru_cache(maxsize=4096)
@@ -233,9 +236,9 @@ def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpoint
 
     def working(layer_type: str, recomputed: bool = kind == "full") -> float:
         if layer_type == "moe":
-            return moe_backward_bytes(s, tokens, capacity_factor)
+            return moe_backward_bytes(s, tokens, capacity_factor, kernels)
         if layer_type == "hybrid":
-            return moe_backward_bytes(s, selected, capacity_factor)
+            return moe_backward_bytes(s, selected, capacity_factor, kernels)
         f, h = s.intermediate_size, s.hidden_size
         n = tokens if layer_type == "dense" else selected
         if recomputed:  # measured: plain 8h + 2.5f, lean 10f + h per token (its SwiGLU rebuilt twice)
@@ -257,7 +260,7 @@ def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpoint
                         + working(t, True))
             full = layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels)
             return full - mlp_checkpointed_layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels) + \
-                moe_backward_bytes(s, n, capacity_factor)
+                moe_backward_bytes(s, n, capacity_factor, kernels)
         # measured (debug MoE and hybrid, plain kernels): the plain loss's 6.5 bytes per logit are gone by the
         # time the top MoE half recomputes; what flows down is the 2h-per-token gradient, as with lean
         return int(max(loss_peak, saved + tokens * 2 * s.hidden_size + max(half(t) for t in types)))
