@@ -15,8 +15,9 @@ Prints:
 - native MoE (8 experts, top-2, every layer) vs a dense model with the same active parameters; target <= 1.3x;
 - our native MoE block vs transformers' MixtralSparseMoeBlock with the same weights (outputs checked equal
   first), at 8, 32 and 64 experts (top-2, 2048 tokens, expert width 704); target: not slower.
-  Both blocks hold the same 3D expert tensors (Mixtral's layout); on CPU ours runs an exact per-expert
-  loop over the sorted groups, theirs `grouped_mm` (transformers' default) and `eager`;
+  Both blocks hold the same 3D expert tensors (Mixtral's layout) and run `torch._grouped_mm` on the CPU in
+  fp32 (bitwise equal to a per-expert loop); ours with lean kernels (the default) and with plain ones,
+  theirs `grouped_mm` (transformers' default) and `eager`;
 - lean kernels (the default: adaptive/models/lean.py) vs plain kernels (transformers' Llama ops), dense and
   MoE; target <= 1.10x.
 """
@@ -61,6 +62,9 @@ def block_step(block: torch.nn.Module, x: torch.Tensor) -> None:
     out.float().square().mean().backward()
 
 
+CLOCK = time.perf_counter  # --cpu-time: time.process_time, the CPU this process used (steadier on a shared machine)
+
+
 def time_interleaved(cases: dict, repeats: int) -> dict[str, float]:
     """Median seconds per call; one warm-up each, then the cases take turns."""
     for fn in cases.values():
@@ -68,9 +72,9 @@ def time_interleaved(cases: dict, repeats: int) -> dict[str, float]:
     samples = {name: [] for name in cases}
     for _ in range(repeats):
         for name, fn in cases.items():
-            start = time.perf_counter()
+            start = CLOCK()
             fn()
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(CLOCK() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -89,18 +93,23 @@ def mixtral_twin(block) -> torch.nn.Module:
     return twin.train()
 
 
-def moe_block_rows(x: torch.Tensor, repeats: int, experts: int) -> tuple[dict[str, float], float]:
-    """ms per fwd+bwd of our block (no drop) and Mixtral's (grouped_mm, eager) at `experts` experts."""
+def moe_block_rows(x: torch.Tensor, repeats: int, experts: int, eager: bool = True) -> tuple[dict[str, float], float]:
+    """ms per fwd+bwd of our block (no drop; lean and plain kernels) and Mixtral's (grouped_mm, eager) at
+    `experts` experts."""
     ours = build("moe", drop_tokens=False, num_local_experts=experts).model.layers[0].mlp.train()
+    plain = build("moe", drop_tokens=False, num_local_experts=experts, kernels="plain").model.layers[0].mlp.train()
+    plain.load_state_dict(ours.state_dict())
     theirs = mixtral_twin(ours)
     with torch.no_grad():
         diff = (ours(x)[0] - theirs(x[None])[0]).abs().max().item()
     assert diff < 1e-5, f"native MoE block and Mixtral block disagree by {diff} at {experts} experts"
     theirs.experts.config._experts_implementation = "grouped_mm"  # transformers' default for Mixtral models
-    times = time_interleaved({"ours": lambda: block_step(ours, x),
+    times = time_interleaved({"ours": lambda: block_step(ours, x), "ours_plain": lambda: block_step(plain, x),
                               "mixtral_grouped_mm": lambda: block_step(theirs, x[None])}, repeats)
     theirs.experts.config._experts_implementation = "eager"
-    times.update(time_interleaved({"mixtral_eager": lambda: block_step(theirs, x[None])}, repeats))
+    times["mixtral_eager"] = float("nan")
+    if eager:
+        times.update(time_interleaved({"mixtral_eager": lambda: block_step(theirs, x[None])}, repeats))
     return times, diff
 
 
@@ -115,7 +124,12 @@ def main() -> None:
                         help="expert counts of the MoE block rows")
     parser.add_argument("--blocks-only", action="store_true", help="only the MoE block rows (skip the models)")
     parser.add_argument("--kernels-only", action="store_true", help="only lean vs plain kernels")
+    parser.add_argument("--no-eager", action="store_true", help="skip Mixtral's eager experts (minutes at 64 experts)")
+    parser.add_argument("--cpu-time", action="store_true", help="time the process's CPU use, not the wall clock")
     args = parser.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.process_time
     if args.quick:
         args.repeats, args.seq = 2, 128
     torch.set_num_threads(args.threads)
@@ -152,7 +166,8 @@ def main() -> None:
     x = torch.randn(args.batch * args.seq, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(1))
     capacity_block = build("moe").model.layers[0].mlp.train()  # capacity_factor 1.0: the training default
     capacity_ms = time_interleaved({"c": lambda: block_step(capacity_block, x)}, 3 * args.repeats)["c"]
-    experts_rows = {e: moe_block_rows(x, 3 * args.repeats, e) for e in args.experts}  # blocks are fast: more repeats
+    # blocks are fast: more repeats
+    experts_rows = {e: moe_block_rows(x, 3 * args.repeats, e, not args.no_eager) for e in args.experts}
 
     print(f"CPU, {args.threads} threads, batch {args.batch} x seq {args.seq}, hidden {SHAPE['hidden_size']}, "
           f"{SHAPE['num_hidden_layers']} layers, median of {args.repeats} fwd+bwd steps")
@@ -165,12 +180,14 @@ def main() -> None:
     ]
     print(f"MoE block fwd+bwd on {x.shape[0]} tokens, top-2, expert width 704 (ours with capacity 1.0, 8 experts: "
           f"{capacity_ms * 1e3:.1f} ms/step):")
-    print(f"  {'experts':>7} {'ours':>9} {'grouped_mm':>11} {'eager':>9}   max |ours - Mixtral|")
+    print(f"  {'experts':>7} {'ours':>9} {'ours plain':>11} {'grouped_mm':>11} {'eager':>9}   max |ours - Mixtral|")
     for e, (t, diff) in experts_rows.items():
-        print(f"  {e:>7} {t['ours'] * 1e3:9.1f} {t['mixtral_grouped_mm'] * 1e3:11.1f} {t['mixtral_eager'] * 1e3:9.1f}"
-              f"   {diff:.1e}")
+        print(f"  {e:>7} {t['ours'] * 1e3:9.1f} {t['ours_plain'] * 1e3:11.1f} {t['mixtral_grouped_mm'] * 1e3:11.1f}"
+              f" {t['mixtral_eager'] * 1e3:9.1f}   {diff:.1e}")
         rows += [
             (f"our MoE block / Mixtral grouped_mm, {e} experts", t["ours"] / t["mixtral_grouped_mm"], "<= 1.0"),
+            (f"our MoE block plain / Mixtral grouped_mm, {e} experts", t["ours_plain"] / t["mixtral_grouped_mm"],
+             "<= 1.0"),
             (f"our MoE block / Mixtral eager, {e} experts", t["ours"] / t["mixtral_eager"], "<= 1.0"),
         ]
     for name, ratio, target in rows:

@@ -8,7 +8,8 @@ What autograd keeps per token, plain -> lean (h hidden, f SwiGLU width, V vocabu
 
 - RMSNorm: fp32 copy of x (4h), 1/rms (4), 16-bit cast (2h) -> x (2h) and 1/rms (4);
 - SwiGLU + down projection: gate, silu(gate), up, product (8f) -> gate and up (4f); the product is
-  recomputed for the down projection's weight gradient;
+  recomputed for the down projection's weight gradient. The MoE experts (3D weights, Mixtral's layout) do
+  the same per expert: their gate_up output (4f) is kept, not its halves' products (`ExpertsSwiGLUDownFunction`);
 - LM head + loss: the fp32 log-softmax over the vocabulary (4V), and in backward the fp32 logit
   gradients with their 16-bit cast (8V more) -> nothing V-wide kept; a tile of `loss_chunk_tokens`
   tokens' logits exists at a time, in forward and again (recomputed) in backward.
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adaptive.models.grouped import experts_matmul, experts_weight_grad
 from adaptive.plan.activations import loss_chunk_tokens
 
 IGNORE_INDEX = -100  # transformers' ignore index for labels
@@ -117,6 +119,50 @@ class SwiGLUDownFunction(torch.autograd.Function):
         grad_product = flat_grad.mm(w).view(product.shape).to(product.dtype)
         grad_gate, grad_up = _swiglu_input_grads(grad_product, gate, up, silu)
         return grad_gate, grad_up, grad_weight, grad_bias
+
+
+class ExpertsSwiGLUDownFunction(torch.autograd.Function):
+    """The experts' SwiGLU and down projection in Mixtral's 3D layout: per expert e, down[e] applied to
+    silu(gate) * up, where `gate_up` holds gate then up on its last dimension (the output of the experts'
+    gate_up_proj). Saves gate_up only (4f per row, as `SwiGLUDownFunction`); the product is recomputed.
+
+    Layouts (`counts`): None, a slot buffer gate_up [E, C, 2I] run as one bmm; else rows gate_up [N, 2I]
+    sorted by expert, `counts[e]` each, run as `torch._grouped_mm` (`grouped_mm`) or a per-expert loop of
+    matmuls (`grouped.experts_matmul`). weight is down_proj [E, H, I].
+    """
+
+    @staticmethod
+    def forward(ctx, gate_up, weight, counts: list[int] | None, grouped_mm: bool):
+        gate, up = gate_up.chunk(2, dim=-1)
+        ctx.save_for_backward(gate_up, weight)
+        ctx.counts, ctx.grouped_mm = counts, grouped_mm
+        return experts_matmul(F.silu(gate).mul_(up), weight.transpose(1, 2), counts, grouped_mm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate_up, weight = ctx.saved_tensors
+        counts, grouped_mm = ctx.counts, ctx.grouped_mm
+        gate, up = gate_up.chunk(2, dim=-1)
+        silu = F.silu(gate)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            product = silu * up
+            grad_weight = experts_weight_grad(grad, product, counts, grouped_mm)
+            del product
+        grad_gate_up = None
+        if ctx.needs_input_grad[0]:
+            grad_product = experts_matmul(grad, weight, counts, grouped_mm)
+            # `_swiglu_input_grads` written into the two halves: no concatenation copy (plain's chunk backward has one)
+            grad_gate_up = torch.empty_like(gate_up)
+            grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
+            torch.ops.aten.silu_backward.grad_input(grad_product * up, gate, grad_input=grad_gate)
+            torch.mul(grad_product, silu, out=grad_up)
+        return grad_gate_up, grad_weight, None, None
+
+
+def experts_swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, counts: list[int] | None = None,
+                        grouped_mm: bool = False) -> torch.Tensor:
+    return ExpertsSwiGLUDownFunction.apply(gate_up, weight, counts, grouped_mm)
 
 
 class LeanSwiGLUDown(nn.Linear):
@@ -206,5 +252,6 @@ def lean_causal_lm_loss(head: LeanLMHead, hidden: torch.Tensor, labels: torch.Te
     return total / num_items_in_batch
 
 
-__all__ = ["RMSNormFunction", "SwiGLUFunction", "SwiGLUDownFunction", "ChunkedLMLossFunction", "LeanSwiGLUDown",
-           "LeanLMHead", "rms_norm", "swiglu", "lean_causal_lm_loss", "shift_labels"]
+__all__ = ["RMSNormFunction", "SwiGLUFunction", "SwiGLUDownFunction", "ExpertsSwiGLUDownFunction",
+           "ChunkedLMLossFunction", "LeanSwiGLUDown", "LeanLMHead", "rms_norm", "swiglu", "experts_swiglu_down",
+           "lean_causal_lm_loss", "shift_labels"]

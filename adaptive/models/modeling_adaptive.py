@@ -236,12 +236,13 @@ def build_mlp(config: AdaptiveConfig, layer_type: str) -> nn.Module:
     if config.moe_implementation == "deepspeed":
         from adaptive.models.moe_deepspeed import DeepSpeedMoE  # imports deepspeed: only on demand
 
-        # plain ops, as the native grouped experts run them: both implementations hold the same bytes
-        expert = AdaptiveMLP(config.hidden_size, config.moe_intermediate_size, config.mlp_bias, config.hidden_act)
+        # lean as the native grouped experts: both implementations hold the same bytes
+        expert = AdaptiveMLP(config.hidden_size, config.moe_intermediate_size, config.mlp_bias, config.hidden_act, lean)
         return DeepSpeedMoE(config.hidden_size, expert, config.num_local_experts, config.num_experts_per_tok,
                             config.ep_size, **knobs)
     return NativeMoE(config.hidden_size, config.moe_intermediate_size, config.num_local_experts,
-                     config.num_experts_per_tok, **knobs, bias=config.mlp_bias, act=config.hidden_act)
+                     config.num_experts_per_tok, **knobs, bias=config.mlp_bias, act=config.hidden_act,
+                     lean=lean)
 
 
 class AdaptiveDecoderLayer(GradientCheckpointingLayer):

@@ -37,6 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from adaptive.models.grouped import grouped_linear
+from adaptive.models.lean import experts_swiglu_down
+
 
 class MoEStats(NamedTuple):
     """What one MoE layer reports per forward; all tensors, no host sync."""
@@ -204,16 +207,19 @@ def gate_routes(gate: nn.Module, x: torch.Tensor, ep_group=None, used: torch.Ten
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU experts as 3D tensors (transformers' MixtralExperts layout).
 
-    Two ways to run them, both exact per expert:
+    Two ways to run them, both exact per expert (the matmuls and their backward: `grouped.grouped_linear`):
     - `batched(buffer [E, C, hidden])`: one batched matmul over a fixed slot buffer (training with capacity);
     - `grouped(x [N, hidden], counts)`: tokens sorted by expert into contiguous groups, run as two
       `torch._grouped_mm` calls where its kernel takes them (CUDA in bf16, CPU in fp32, rows 16-byte
       aligned); else an exact loop of per-expert matmuls. On CPU both give bitwise-equal outputs and
-      gradients without biases (tests/models/test_moe.py).
+      gradients (tests/models/test_moe.py).
+
+    `lean` (silu only): the SwiGLU and down projection run through `lean.ExpertsSwiGLUDownFunction`, which keeps
+    the gate_up output (4f per row) instead of gate, silu(gate), up and their product (8f); same values.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False,
-                 act: str = "silu"):
+                 act: str = "silu", lean: bool = False):
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
@@ -221,6 +227,7 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size)) if bias else None
         self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size)) if bias else None
         self.act_fn = ACT2FN[act]
+        self.lean = lean and act == "silu"
 
     def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -228,34 +235,29 @@ class GroupedExperts(nn.Module):
 
     def batched(self, buffer: torch.Tensor) -> torch.Tensor:
         """buffer [E, C, hidden] -> [E, C, hidden]: expert e on row block e."""
-        h = torch.bmm(buffer, self.gate_up_proj.transpose(1, 2))
-        if self.gate_up_proj_bias is not None:
-            h = h + self.gate_up_proj_bias[:, None, :]
-        out = torch.bmm(self._swiglu(h), self.down_proj.transpose(1, 2))
-        return out if self.down_proj_bias is None else out + self.down_proj_bias[:, None, :]
+        return self._run(buffer, None, False)
 
     def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [N, hidden] sorted by expert, `counts[e]` rows each -> [N, hidden]."""
-        if _use_grouped_mm(x, self.gate_up_proj.shape[-1], self.intermediate_size):
-            offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            h = torch._grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offsets)
-            if self.gate_up_proj_bias is not None:
-                h = h + self.gate_up_proj_bias.repeat_interleave(torch.tensor(counts, device=x.device), dim=0)
-            out = torch._grouped_mm(self._swiglu(h), self.down_proj.transpose(1, 2), offs=offsets)
-            if self.down_proj_bias is not None:
-                out = out + self.down_proj_bias.repeat_interleave(torch.tensor(counts, device=x.device), dim=0)
-            return out
-        # unbind, not [e]: its backward stacks the experts' gradients once instead of one full-size zero
-        # tensor per expert. Empty groups run too: every expert then joins the autograd graph, as DDP/ZeRO expect.
-        no_bias = [None] * self.num_experts
-        gate_up_bias = no_bias if self.gate_up_proj_bias is None else self.gate_up_proj_bias.unbind(0)
-        down_bias = no_bias if self.down_proj_bias is None else self.down_proj_bias.unbind(0)
-        outputs = [
-            F.linear(self._swiglu(F.linear(group, w1, b1)), w2, b2)
-            for group, w1, b1, w2, b2 in zip(x.split(counts), self.gate_up_proj.unbind(0), gate_up_bias,
-                                             self.down_proj.unbind(0), down_bias)
-        ]
-        return torch.cat(outputs)
+        return self._run(x, counts, _use_grouped_mm(x, self.gate_up_proj.shape[-1], self.intermediate_size))
+
+    def _run(self, x: torch.Tensor, counts: list[int] | None, grouped_mm: bool) -> torch.Tensor:
+        # Every expert's weights enter the graph, empty groups too: DDP/ZeRO expect a gradient for each.
+        h = grouped_linear(x, self.gate_up_proj, counts, grouped_mm)
+        if self.gate_up_proj_bias is not None:
+            h = h + _bias_rows(self.gate_up_proj_bias, counts)
+        if self.lean:
+            out = experts_swiglu_down(h, self.down_proj, counts, grouped_mm)
+        else:
+            out = grouped_linear(self._swiglu(h), self.down_proj, counts, grouped_mm)
+        return out if self.down_proj_bias is None else out + _bias_rows(self.down_proj_bias, counts)
+
+
+def _bias_rows(bias: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
+    """bias [E, M] broadcast to the layout: [E, 1, M] for the slot buffer, one row per grouped row."""
+    if counts is None:
+        return bias[:, None, :]
+    return bias.repeat_interleave(torch.tensor(counts, device=bias.device), dim=0)
 
 
 def _use_grouped_mm(x: torch.Tensor, hidden: int, intermediate: int) -> bool:
@@ -284,11 +286,11 @@ class NativeMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, k: int,
                  capacity_factor: float, eval_capacity_factor: float | None, min_capacity: int, drop_tokens: bool,
                  noisy_gate_policy: str | None, top2_2nd_expert_sampling: bool, bias: bool = False,
-                 act: str = "silu"):
+                 act: str = "silu", lean: bool = False):
         super().__init__()
         self.gate = MoEGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
                             drop_tokens, noisy_gate_policy, top2_2nd_expert_sampling)
-        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size, bias, act)
+        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size, bias, act, lean)
         self.num_experts = num_experts
         convert_on_load(self, to_deepspeed=False)  # DeepSpeed-named weights load too
 
@@ -303,10 +305,13 @@ class NativeMoE(nn.Module):
         return out.view_as(hidden_states), routes.stats
 
 
+# Gathers are `tensor[index]`, not `index_select`: on CPU the backward of index_select is a scatter_add that
+# ran ~30x slower than index's accumulating index_put (torch 2.13, profiled against Mixtral's block).
+
 def _combine(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sum_k weights[k, s] * rows[slots[k, s]]; rows has a trailing zero row for dropped routes."""
+    """sum_k weights[k, s] * rows[slots[k, s]] (dropped routes point at a zero row of `rows`, or have weight 0)."""
     k, num_tokens = slots.shape
-    routed = rows.index_select(0, slots.reshape(-1)).view(k, num_tokens, -1)
+    routed = rows[slots.reshape(-1)].view(k, num_tokens, -1)
     return (routed * weights.unsqueeze(-1)).sum(dim=0).to(dtype)  # fp32 accumulation, as DeepSpeed
 
 
@@ -320,7 +325,7 @@ def _dispatch_slots(x: torch.Tensor, routes: Routes, experts: GroupedExperts) ->
     token_ids = torch.arange(num_tokens, device=x.device).expand_as(slots)
     source.scatter_(0, slots.reshape(-1), token_ids.reshape(-1))
     padded = torch.cat([x, x.new_zeros(1, hidden)])
-    buffer = padded.index_select(0, source[:total]).view(num_experts, capacity, hidden)
+    buffer = padded[source[:total]].view(num_experts, capacity, hidden)
     rows = torch.cat([experts.batched(buffer).reshape(total, hidden), x.new_zeros(1, hidden)])
     return _combine(rows, slots, routes.weights, x.dtype)
 
@@ -333,12 +338,13 @@ def _dispatch_grouped(x: torch.Tensor, routes: Routes, experts: GroupedExperts) 
     order = torch.argsort(key, stable=True)
     counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts].tolist()  # the one host sync
     kept = sum(counts)
-    tokens = (order[:kept] % num_tokens)
-    rows = torch.cat([experts.grouped(x.index_select(0, tokens), counts), x.new_zeros(1, x.shape[1])])
+    rows = experts.grouped(x[order[:kept] % num_tokens], counts)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=x.device)
-    slots = torch.where(flat >= 0, rank, kept).view(k, num_tokens)
-    return _combine(rows, slots, routes.weights, x.dtype)
+    if kept < order.numel():  # dropped routes (eval capacity, padding) read a zero row
+        rows = torch.cat([rows, x.new_zeros(1, x.shape[1])])
+        rank = torch.where(flat >= 0, rank, kept)
+    return _combine(rows, rank.view(k, num_tokens), routes.weights, x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

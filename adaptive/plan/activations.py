@@ -87,8 +87,8 @@ def moe_layer_bytes(s: ModelSpec, tokens: int, capacity_factor: float, kernels: 
     the router input in fp32 (4h); fp32 logits and softmax (8E) and a
     bool mask (E); routing indices, weights and masks (31k bytes for top-k); the combine's gathered
     expert outputs (2kh). Per capacity slot (E·C of them): the dispatched input (2h), the expert's
-    SwiGLU and the slot's source index (8). The experts run Mixtral's grouped layout (3D weights, one
-    gate-up matmul) with plain ops whatever `kernels` says: their SwiGLU saves `swiglu_bytes(f, "plain")`.
+    SwiGLU (`swiglu_bytes`: lean keeps the gate_up output, 4f, in both implementations) and the slot's
+    source index (8).
     Per layer: the fp32 copy of the router weight (4Eh).
     A Qwen2-MoE shared expert adds its SwiGLU over every token (8 bytes per unit of its width; measured
     slope 8.00 on transformers' class; its sigmoid gate's few bytes are within the router terms' error).
@@ -97,7 +97,7 @@ def moe_layer_bytes(s: ModelSpec, tokens: int, capacity_factor: float, kernels: 
     slots = e * expert_capacity(tokens, s, capacity_factor)
     per_token = (attention_half_bytes(s, kernels) + norm_bytes(h, kernels) - 2 * h + 4 * h + 9 * e + 4 + 31 * k
                  + 2 * k * h + 8 * s.shared_expert_intermediate_size)
-    return tokens * per_token + slots * (2 * h + swiglu_bytes(f, "plain") + 8) + 4 * e * h + 4 * e + 8
+    return tokens * per_token + slots * (2 * h + swiglu_bytes(f, kernels) + 8) + 4 * e * h + 4 * e + 8
 
 
 def mod_selected(s: ModelSpec, seq_len: int) -> int:
@@ -204,11 +204,14 @@ def loss_working_bytes(s: ModelSpec, tokens: int, kernels: str = "lean") -> int:
     return 8 * tile * v + 2 * tokens * h + 2 * v * h
 
 
-def moe_backward_bytes(s: ModelSpec, tokens: int, capacity_factor: float) -> float:
+def moe_backward_bytes(s: ModelSpec, tokens: int, capacity_factor: float, kernels: str = "lean") -> float:
     """Working set of one MoE layer's backward, fitted to measurements of random shapes: gradients of
-    the gathered tokens (2.8h per token) and of the dispatched capacity slots (5.6h per slot)."""
+    the gathered tokens (2.8h per token) and of the dispatched capacity slots (5.6h per slot). Lean experts
+    rebuild silu(gate) beside the product's and gate_up's gradients: 5f more per slot (fitted: debug and
+    debug_200m MoE, seq 2048, micro-batch 8, where the backward sets the peak; 3.6f and 7.2f alone)."""
     slots = s.num_local_experts * expert_capacity(tokens, s, capacity_factor)
-    return 2.8 * tokens * s.hidden_size + 5.6 * slots * s.hidden_size
+    lean = 5 * s.moe_intermediate_size if kernels == "lean" else 0
+    return 2.8 * tokens * s.hidden_size + (5.6 * s.hidden_size + lean) * slots
 
 
 @lru_cache(maxsize=4096)
@@ -233,9 +236,9 @@ def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpoint
 
     def working(layer_type: str, recomputed: bool = kind == "full") -> float:
         if layer_type == "moe":
-            return moe_backward_bytes(s, tokens, capacity_factor)
+            return moe_backward_bytes(s, tokens, capacity_factor, kernels)
         if layer_type == "hybrid":
-            return moe_backward_bytes(s, selected, capacity_factor)
+            return moe_backward_bytes(s, selected, capacity_factor, kernels)
         f, h = s.intermediate_size, s.hidden_size
         n = tokens if layer_type == "dense" else selected
         if recomputed:  # measured: plain 8h + 2.5f, lean 10f + h per token (its SwiGLU rebuilt twice)
@@ -257,7 +260,7 @@ def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpoint
                         + working(t, True))
             full = layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels)
             return full - mlp_checkpointed_layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels) + \
-                moe_backward_bytes(s, n, capacity_factor)
+                moe_backward_bytes(s, n, capacity_factor, kernels)
         # measured (debug MoE and hybrid, plain kernels): the plain loss's 6.5 bytes per logit are gone by the
         # time the top MoE half recomputes; what flows down is the 2h-per-token gradient, as with lean
         return int(max(loss_peak, saved + tokens * 2 * s.hidden_size + max(half(t) for t in types)))
