@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property, lru_cache
 
 from adaptive.errors import AdaptiveError, closest, require_positive
 from adaptive.plan.activations import CHECKPOINTING, KERNELS, SELECTIVE_POLICIES, parse_checkpoint_policy
@@ -76,13 +77,20 @@ class FitRequest:
 class Candidate:
     setup: TrainSetup
     memory: MemoryEstimate
-    throughput: Throughput
     fits_gpu: bool
     fits_host: bool
+    gpu: GPU  # the throughput is estimated for this GPU
+    mfu: float | None = None  # --mfu: the assumed hardware utilisation, None for the GPU class's
 
     @property
     def grad_accum(self) -> int:
         return self.setup.gradient_accumulation_steps
+
+    @cached_property
+    def throughput(self) -> Throughput:
+        """Estimated when first asked: most candidates a search evaluates do not fit, and only fitting ones
+        (or, without a fit, those that fit the GPU) are ever ranked by speed."""
+        return estimate_throughput(self.setup, self.gpu, self.grad_accum, self.mfu)
 
     @property
     def fits(self) -> bool:
@@ -369,11 +377,14 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
                        checkpoint_policy=None if policy in ("off", "full") else policy, tp_size=layout.tp,
                        sp_size=layout.sp, zero_hpz=layout.hpz, zero_quantized_weights=layout.qwz,
                        zero_quantized_gradients=layout.qgz, **buckets)
-    mem = corrected(estimate_memory(setup), req.peak_correction)
-    tp = estimate_throughput(setup, req.gpu, accum, req.mfu)
-    return Candidate(setup=setup, memory=mem, throughput=tp,
-                     fits_gpu=mem.peak_gpu_bytes <= req.gpu.memory_bytes,
-                     fits_host=mem.host_bytes_per_node <= host_mem)
+    mem = corrected(_estimate_memory(setup), req.peak_correction)
+    return Candidate(setup=setup, memory=mem, fits_gpu=mem.peak_gpu_bytes <= req.gpu.memory_bytes,
+                     fits_host=mem.host_bytes_per_node <= host_mem, gpu=req.gpu, mfu=req.mfu)
+
+
+# A setup's memory does not depend on the GPU it is planned for (its precision is in the setup): "what would
+# fit" searches GPU after GPU over the same setups, so each is estimated once (estimate_memory is pure).
+_estimate_memory = lru_cache(maxsize=8192)(estimate_memory)
 
 
 # ZeRO++ is taken only for at least this much more speed: qwZ/qgZ quantize what is communicated (int8
