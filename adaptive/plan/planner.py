@@ -8,20 +8,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
+from typing import TYPE_CHECKING
 
 from adaptive.errors import AdaptiveError, closest, require_positive
 from adaptive.plan.activations import CHECKPOINTING, KERNELS, SELECTIVE_POLICIES, parse_checkpoint_policy
 from adaptive.plan.advice import OrchestratorAdvice, orchestrator_advice
-from adaptive.plan.calibration import Calibration
-from adaptive.plan.ds_config_input import DsConfigInput
 from adaptive.plan.gpus import CATALOG, GPU
-from adaptive.plan.memory import MemoryEstimate, TrainSetup, estimate_memory
+from adaptive.plan.memory import MemoryEstimate, TrainSetup, corrected, estimate_memory
 from adaptive.plan.parallel import Layout, divisors_up_to, layout_error
 from adaptive.plan.params import ParamCounts, count_params
 from adaptive.plan.presets import PRESETS, ModelSpec, spec_from_shape
-from adaptive.plan.run_calibration import corrected
 from adaptive.plan.tight import TIGHT_MARGIN, deciding_part, is_tight
 from adaptive.plan.throughput import Throughput, cost_usd, estimate_throughput, train_hours
+
+if TYPE_CHECKING:  # a plain `adaptive fit` imports neither
+    from adaptive.plan.calibration import Calibration
+    from adaptive.plan.ds_config_input import DsConfigInput
 
 OFFLOADS = ("none", "optimizer", "all")
 CHINCHILLA_TOKENS_PER_PARAM = 20
@@ -364,27 +366,35 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
     """`ckpt`: False/True (off/full) or a checkpointing policy."""
     accum = req.grad_accum or grad_accum_for(req, global_tokens, seq, micro, req.world_size // layout.degree)
     policy = ("full" if ckpt else "off") if isinstance(ckpt, bool) else ckpt
-    ds = req.ds_config
+    setup, memory = _setup_and_memory(spec, seq, micro, zero, offload, policy, ep, accum, layout, req.gpus_per_node,
+                                      req.num_nodes, req.capacity_factor, req.calibration, req.optimizer,
+                                      req.attention, not req.gpu.bf16, req.kernels, req.ds_config)
+    mem = corrected(memory, req.peak_correction)
+    return Candidate(setup=setup, memory=mem, fits_gpu=mem.peak_gpu_bytes <= req.gpu.memory_bytes,
+                     fits_host=mem.host_bytes_per_node <= host_mem, gpu=req.gpu, mfu=req.mfu)
+
+
+@lru_cache(maxsize=8192, typed=True)
+def _setup_and_memory(spec: ModelSpec, seq: int, micro: int, zero: int, offload: str, policy: str, ep: int,
+                      accum: int, layout: Layout, gpus_per_node: int, num_nodes: int, capacity_factor: float,
+                      calibration: Calibration | None, optimizer: str, attention: str, fp16: bool, kernels: str,
+                      ds: DsConfigInput | None) -> tuple[TrainSetup, MemoryEstimate]:
+    """A candidate's setup and its memory, which does not depend on the GPU it is planned for (its precision is
+    in the setup): "what would fit" searches GPU after GPU over the same setups, so each is built and estimated
+    once (both are pure functions of these arguments)."""
     buckets = {} if ds is None else dict(
         reduce_bucket_elements=ds.reduce_bucket_elements, allgather_bucket_elements=ds.allgather_bucket_elements,
         prefetch_bucket_elements=ds.prefetch_bucket_elements, overlap_comm=ds.overlap_for(zero))
     setup = TrainSetup(spec=spec, seq_len=seq, micro_batch_size=micro, zero_stage=zero,
                        offload_optimizer=offload in ("optimizer", "all"), offload_params=offload == "all",
-                       gradient_checkpointing=policy == "full", gpus_per_node=req.gpus_per_node,
-                       num_nodes=req.num_nodes, ep_size=ep, capacity_factor=req.capacity_factor,
-                       calibration=req.calibration, gradient_accumulation_steps=accum, optimizer=req.optimizer,
-                       attention=req.attention, fp16=not req.gpu.bf16, kernels=req.kernels,
+                       gradient_checkpointing=policy == "full", gpus_per_node=gpus_per_node,
+                       num_nodes=num_nodes, ep_size=ep, capacity_factor=capacity_factor,
+                       calibration=calibration, gradient_accumulation_steps=accum, optimizer=optimizer,
+                       attention=attention, fp16=fp16, kernels=kernels,
                        checkpoint_policy=None if policy in ("off", "full") else policy, tp_size=layout.tp,
                        sp_size=layout.sp, zero_hpz=layout.hpz, zero_quantized_weights=layout.qwz,
                        zero_quantized_gradients=layout.qgz, **buckets)
-    mem = corrected(_estimate_memory(setup), req.peak_correction)
-    return Candidate(setup=setup, memory=mem, fits_gpu=mem.peak_gpu_bytes <= req.gpu.memory_bytes,
-                     fits_host=mem.host_bytes_per_node <= host_mem, gpu=req.gpu, mfu=req.mfu)
-
-
-# A setup's memory does not depend on the GPU it is planned for (its precision is in the setup): "what would
-# fit" searches GPU after GPU over the same setups, so each is estimated once (estimate_memory is pure).
-_estimate_memory = lru_cache(maxsize=8192)(estimate_memory)
+    return setup, estimate_memory(setup)
 
 
 # ZeRO++ is taken only for at least this much more speed: qwZ/qgZ quantize what is communicated (int8
