@@ -374,7 +374,7 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
                      fits_host=mem.host_bytes_per_node <= host_mem, gpu=req.gpu, mfu=req.mfu)
 
 
-@lru_cache(maxsize=8192, typed=True)
+@lru_cache(maxsize=4096, typed=True)  # one large request (b70 MoE on 8 H100s, not fitting) holds ~3,600
 def _setup_and_memory(spec: ModelSpec, seq: int, micro: int, zero: int, offload: str, policy: str, ep: int,
                       accum: int, layout: Layout, gpus_per_node: int, num_nodes: int, capacity_factor: float,
                       calibration: Calibration | None, optimizer: str, attention: str, fp16: bool, kernels: str,
