@@ -8,7 +8,6 @@ otherwise register right after the first `import transformers` finishes. Either 
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
@@ -28,8 +27,10 @@ def _register() -> None:
     register_auto_classes()
 
 
-class _RegisterAfterLoad(importlib.abc.Loader):
-    def __init__(self, loader: importlib.abc.Loader):
+# The import system asks a loader for create_module/exec_module and a meta path finder for find_spec only; these
+# two do not subclass importlib.abc's ABCs, whose import (importlib.resources, tempfile, ...) `adaptive fit` skips.
+class _RegisterAfterLoad:
+    def __init__(self, loader):
         self._loader = loader
 
     def create_module(self, spec):
@@ -40,7 +41,7 @@ class _RegisterAfterLoad(importlib.abc.Loader):
         _register()
 
 
-class _TransformersWatcher(importlib.abc.MetaPathFinder):
+class _TransformersWatcher:
     """Finds nothing itself; wraps the loader of the top-level `transformers` package."""
 
     def find_spec(self, fullname, path, target=None):

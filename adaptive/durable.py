@@ -7,7 +7,6 @@ planner side and the orchestrator use these too.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 from pathlib import Path
@@ -56,6 +55,8 @@ _RENAME_EXCHANGE = 2  # linux/fs.h
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    import ctypes  # here, not at the top: `adaptive fit` writes plan files through this module, never swaps folders
+
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2  # the C library this Python runs on
     except (OSError, AttributeError):

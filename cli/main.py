@@ -1,35 +1,57 @@
-"""The `adaptive` command: one typer app; each command lives in its own module."""
+"""The `adaptive` command: one typer app; each command lives in its own module.
+
+A command's module is imported only when that command runs (`adaptive fit` must answer in a fraction of a
+second, and the other commands' modules import what fit does not need); `--help`, a bare `adaptive` and an
+unknown command get the whole app.
+"""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import typer
 
 from adaptive.config.commandline import run_command
-from cli import catalog, compare, export, fit, launch, measure, report
 
-app = typer.Typer(
-    name="adaptive",
-    help="Plan, build and train dense, MoE, MoD and hybrid LMs with DeepSpeed on the GPUs you have.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
-)
-app.command("fit")(fit.fit)
-app.command("models")(catalog.models)
-app.command("gpus")(catalog.gpus)
-app.command("compare")(compare.compare)
-app.command("measure")(measure.measure)
-app.command("report")(report.report)
-app.command("export")(export.export)
-app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
-    launch.launch
-)
+HELP = "Plan, build and train dense, MoE, MoD and hybrid LMs with DeepSpeed on the GPUs you have."
+# name -> (module, function, typer's command settings), in --help order
+COMMANDS: dict[str, tuple[str, str, dict]] = {
+    "fit": ("cli.fit", "fit", {}),
+    "models": ("cli.catalog", "models", {}),
+    "gpus": ("cli.catalog", "gpus", {}),
+    "compare": ("cli.compare", "compare", {}),
+    "measure": ("cli.measure", "measure", {}),
+    "report": ("cli.report", "report", {}),
+    "export": ("cli.export", "export", {}),
+    "launch": ("cli.launch", "launch", {"context_settings": {"allow_extra_args": True,
+                                                             "ignore_unknown_options": True}}),
+}
+
+
+def build_app(names: list[str] | None = None) -> typer.Typer:
+    """The app with the commands `names` (default: all of them)."""
+    app = typer.Typer(name="adaptive", help=HELP, no_args_is_help=True, pretty_exceptions_enable=False,
+                      add_completion=False)
+    for name in names or COMMANDS:
+        module, function, settings = COMMANDS[name]
+        app.command(name, **settings)(getattr(importlib.import_module(module), function))
+    if names is not None and len(names) == 1:
+        app.callback()(lambda: None)  # typer runs a lone command as the app itself; this keeps `adaptive fit`
+    return app
+
+
+def __getattr__(name: str) -> typer.Typer:
+    if name == "app":  # the whole app, for tests and tools that inspect it
+        return build_app()
+    raise AttributeError(f"module 'cli.main' has no attribute {name!r}")
+
 
 def run(argv: list[str] | None = None) -> int:
     """Run the CLI; bad input is one line on stderr and exit code 2, never a traceback."""
-    return run_command(app, argv, "adaptive")
+    args = sys.argv[1:] if argv is None else list(argv)
+    app = build_app([args[0]] if args and args[0] in COMMANDS else None)
+    return run_command(app, args, "adaptive")
 
 
 def main() -> None:

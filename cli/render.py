@@ -15,6 +15,9 @@ from adaptive.plan.planner import Plan
 GiB = 2**30
 # Wide enough for the comparison table when piped; a terminal keeps its own width.
 console = Console(width=None if sys.stdout.isatty() else 160)
+# Highlighting only styles numbers and names, and styles are written only with a colour system (a terminal): without
+# one, the output is the same without it, and ~5 ms sooner
+console._highlight = console.color_system is not None
 
 PART_LABELS = {
     "params": "16-bit parameters",

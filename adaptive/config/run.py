@@ -11,6 +11,7 @@ the same option. Pure: no I/O, no torch, no typer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from dataclasses import dataclass, field
@@ -296,11 +297,14 @@ class RunConfig:
 
 def run_fields() -> Iterator[tuple[str, dataclasses.Field, Flag]]:
     """(section, field, flag) for every option, in --help order."""
+    return iter(_run_fields())
+
+
+@functools.cache  # a command asks several times (parsing, validating, building the config): built once
+def _run_fields() -> tuple[tuple[str, dataclasses.Field, Flag], ...]:
     hints = typing.get_type_hints(RunConfig)
-    for section in dataclasses.fields(RunConfig):
-        for f in dataclasses.fields(hints[section.name]):
-            flag = f.metadata["flag"]
-            yield section.name, f, dataclasses.replace(flag, panel=PANELS[section.name])
+    return tuple((section.name, f, dataclasses.replace(f.metadata["flag"], panel=PANELS[section.name]))
+                 for section in dataclasses.fields(RunConfig) for f in dataclasses.fields(hints[section.name]))
 
 
 def check(flag: Flag, value: Any) -> None:

@@ -13,7 +13,6 @@ from adaptive.durable import atomic_write_text
 from adaptive.errors import AdaptiveError
 from adaptive.plan import memory as mem
 from adaptive.plan.advice import OVERHEAD_SOURCE
-from adaptive.plan.ds_config_input import drivers
 from adaptive.plan.gpus import GPU
 from adaptive.plan.memory import TrainSetup, reduce_bucket_elements
 from adaptive.plan.params import count_params
@@ -249,6 +248,8 @@ def ds_config_dict(plan: Plan) -> dict | None:
     ds = plan.request.ds_config
     if ds is None:
         return None
+    from adaptive.plan.ds_config_input import drivers
+
     c = plan.shown
     return {"path": ds.path, "set": [{"knob": k, "from": v} for k, v in ds.sources],
             "ignored": list(ds.ignored),

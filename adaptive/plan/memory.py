@@ -8,7 +8,8 @@ our blocks (see activations.py). Everything else is a stated allowance.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from adaptive.errors import AdaptiveError
 from adaptive.plan.activations import (
@@ -18,11 +19,13 @@ from adaptive.plan.activations import (
     loss_working_bytes,
 )
 from adaptive.plan.attention import eager_extra_saved_bytes, eager_recompute_bytes
-from adaptive.plan.calibration import Calibration
 from adaptive.plan.optimizers import step_transient_bytes
 from adaptive.plan.parallel import tp_activation_factor, tp_sharded_params
 from adaptive.plan.params import ParamCounts, count_params
 from adaptive.plan.presets import ModelSpec
+
+if TYPE_CHECKING:  # `adaptive fit` without --calibrate does not import it
+    from adaptive.plan.calibration import Calibration
 
 GiB = 2**30
 
@@ -358,3 +361,16 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
                           step_bytes=int(step),
                           peak_gpu_bytes=int(allocated + parts["fragmentation"] + parts["cuda_context"]),
                           host_bytes_per_node=host_bytes_per_node(setup, counts), saved_bytes=int(saved))
+
+
+def corrected(mem: MemoryEstimate, factor: float) -> MemoryEstimate:
+    """The estimate with its allocated peak scaled by a measured factor (shown as its own part): a real run's
+    measured peak over the predicted one (run_calibration.py, `adaptive fit --calibrate RUN_DIR`)."""
+    if factor == 1.0:
+        return mem
+    allocated = mem.allocated_peak_bytes * factor
+    parts = dict(mem.parts)
+    parts["calibration_correction"] = int(allocated - mem.allocated_peak_bytes)
+    parts["fragmentation"] = int(math.ceil(FRAGMENTATION * allocated))
+    return replace(mem, parts=parts,
+                   peak_gpu_bytes=int(allocated + parts["fragmentation"] + CUDA_CONTEXT_BYTES))

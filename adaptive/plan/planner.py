@@ -7,20 +7,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property, lru_cache
+from typing import TYPE_CHECKING
 
 from adaptive.errors import AdaptiveError, closest, require_positive
 from adaptive.plan.activations import CHECKPOINTING, KERNELS, SELECTIVE_POLICIES, parse_checkpoint_policy
 from adaptive.plan.advice import OrchestratorAdvice, orchestrator_advice
-from adaptive.plan.calibration import Calibration
-from adaptive.plan.ds_config_input import DsConfigInput
 from adaptive.plan.gpus import CATALOG, GPU
-from adaptive.plan.memory import MemoryEstimate, TrainSetup, estimate_memory
+from adaptive.plan.memory import MemoryEstimate, TrainSetup, corrected, estimate_memory
 from adaptive.plan.parallel import Layout, divisors_up_to, layout_error
 from adaptive.plan.params import ParamCounts, count_params
 from adaptive.plan.presets import PRESETS, ModelSpec, spec_from_shape
-from adaptive.plan.run_calibration import corrected
 from adaptive.plan.tight import TIGHT_MARGIN, deciding_part, is_tight
 from adaptive.plan.throughput import Throughput, cost_usd, estimate_throughput, train_hours
+
+if TYPE_CHECKING:  # a plain `adaptive fit` imports neither
+    from adaptive.plan.calibration import Calibration
+    from adaptive.plan.ds_config_input import DsConfigInput
 
 OFFLOADS = ("none", "optimizer", "all")
 CHINCHILLA_TOKENS_PER_PARAM = 20
@@ -76,13 +79,20 @@ class FitRequest:
 class Candidate:
     setup: TrainSetup
     memory: MemoryEstimate
-    throughput: Throughput
     fits_gpu: bool
     fits_host: bool
+    gpu: GPU  # the throughput is estimated for this GPU
+    mfu: float | None = None  # --mfu: the assumed hardware utilisation, None for the GPU class's
 
     @property
     def grad_accum(self) -> int:
         return self.setup.gradient_accumulation_steps
+
+    @cached_property
+    def throughput(self) -> Throughput:
+        """Estimated when first asked: most candidates a search evaluates do not fit, and only fitting ones
+        (or, without a fit, those that fit the GPU) are ever ranked by speed."""
+        return estimate_throughput(self.setup, self.gpu, self.grad_accum, self.mfu)
 
     @property
     def fits(self) -> bool:
@@ -360,24 +370,35 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
         # a group runs whole multiples of sp micro-batches per step (a batch by size may round up to that)
         accum = math.ceil(accum / layout.sp) * layout.sp
     policy = ("full" if ckpt else "off") if isinstance(ckpt, bool) else ckpt
-    ds = req.ds_config
+    setup, memory = _setup_and_memory(spec, seq, micro, zero, offload, policy, ep, accum, layout, req.gpus_per_node,
+                                      req.num_nodes, req.capacity_factor, req.calibration, req.optimizer,
+                                      req.attention, not req.gpu.bf16, req.kernels, req.ds_config)
+    mem = corrected(memory, req.peak_correction)
+    return Candidate(setup=setup, memory=mem, fits_gpu=mem.peak_gpu_bytes <= req.gpu.memory_bytes,
+                     fits_host=mem.host_bytes_per_node <= host_mem, gpu=req.gpu, mfu=req.mfu)
+
+
+@lru_cache(maxsize=4096, typed=True)  # one large request (b70 MoE on 8 H100s, not fitting) holds ~3,600
+def _setup_and_memory(spec: ModelSpec, seq: int, micro: int, zero: int, offload: str, policy: str, ep: int,
+                      accum: int, layout: Layout, gpus_per_node: int, num_nodes: int, capacity_factor: float,
+                      calibration: Calibration | None, optimizer: str, attention: str, fp16: bool, kernels: str,
+                      ds: DsConfigInput | None) -> tuple[TrainSetup, MemoryEstimate]:
+    """A candidate's setup and its memory, which does not depend on the GPU it is planned for (its precision is
+    in the setup): "what would fit" searches GPU after GPU over the same setups, so each is built and estimated
+    once (both are pure functions of these arguments)."""
     buckets = {} if ds is None else dict(
         reduce_bucket_elements=ds.reduce_bucket_elements, allgather_bucket_elements=ds.allgather_bucket_elements,
         prefetch_bucket_elements=ds.prefetch_bucket_elements, overlap_comm=ds.overlap_for(zero))
     setup = TrainSetup(spec=spec, seq_len=seq, micro_batch_size=micro, zero_stage=zero,
                        offload_optimizer=offload in ("optimizer", "all"), offload_params=offload == "all",
-                       gradient_checkpointing=policy == "full", gpus_per_node=req.gpus_per_node,
-                       num_nodes=req.num_nodes, ep_size=ep, capacity_factor=req.capacity_factor,
-                       calibration=req.calibration, gradient_accumulation_steps=accum, optimizer=req.optimizer,
-                       attention=req.attention, fp16=not req.gpu.bf16, kernels=req.kernels,
+                       gradient_checkpointing=policy == "full", gpus_per_node=gpus_per_node,
+                       num_nodes=num_nodes, ep_size=ep, capacity_factor=capacity_factor,
+                       calibration=calibration, gradient_accumulation_steps=accum, optimizer=optimizer,
+                       attention=attention, fp16=fp16, kernels=kernels,
                        checkpoint_policy=None if policy in ("off", "full") else policy, tp_size=layout.tp,
                        sp_size=layout.sp, zero_hpz=layout.hpz, zero_quantized_weights=layout.qwz,
                        zero_quantized_gradients=layout.qgz, **buckets)
-    mem = corrected(estimate_memory(setup), req.peak_correction)
-    tp = estimate_throughput(setup, req.gpu, accum, req.mfu)
-    return Candidate(setup=setup, memory=mem, throughput=tp,
-                     fits_gpu=mem.peak_gpu_bytes <= req.gpu.memory_bytes,
-                     fits_host=mem.host_bytes_per_node <= host_mem)
+    return setup, estimate_memory(setup)
 
 
 # ZeRO++ is taken only for at least this much more speed: qwZ/qgZ quantize what is communicated (int8

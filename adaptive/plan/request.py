@@ -5,21 +5,20 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from adaptive.config.run import RunConfig
 from adaptive.errors import AdaptiveError, require_positive
 from adaptive.plan.attention import ATTENTIONS
-from adaptive.plan.calibration import load as load_calibration
-from adaptive.plan.ds_config_input import DsConfigInput, load as load_ds_file, parse as parse_ds_config
 from adaptive.plan.gpus import GiB, GPU, custom_gpu, get_gpu
 from adaptive.plan.hf_config import default_kernels, looks_like_path, spec_from_hf_config
 from adaptive.plan.optimizers import check_optimizer
 from adaptive.plan.planner import FitRequest
 from adaptive.plan.presets import ModelSpec, preset_spec
-from adaptive.plan.run_calibration import CALIBRATION_FILE, RunMeasurement
-from adaptive.plan.run_calibration import METRICS_FILE as RUN_METRICS_FILE
-from adaptive.plan.run_calibration import calibrate as calibrate_with_run
-from adaptive.plan.run_calibration import parse_records as parse_run_records
+
+if TYPE_CHECKING:  # --ds-config and --calibrate import what they read when given (a plain fit starts sooner)
+    from adaptive.plan.ds_config_input import DsConfigInput
+    from adaptive.plan.run_calibration import RunMeasurement
 
 
 def resolve_model(model: str, arch: str | None = None, mod_capacity: float | None = None) -> ModelSpec:
@@ -71,6 +70,9 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         sp_size, tp_size, zero_hpz, zero_quantize = merge_parallel_pins(ds, sp_size, tp_size, zero_hpz, zero_quantize)
     activations, run, source = None, None, None
     if calibrate:
+        from adaptive.plan.calibration import load as load_calibration
+        from adaptive.plan.run_calibration import CALIBRATION_FILE
+
         source = f"{'run folder' if Path(calibrate).is_dir() else 'calibration file'} {calibrate}"
         if Path(calibrate).is_dir():  # a run folder: its metrics, and its activation calibration file if any
             run = load_run(calibrate)
@@ -95,11 +97,18 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         zero_quantized_weights=None if zero_quantize is None else zero_quantize in ("weights", "both"),
         zero_quantized_gradients=None if zero_quantize is None else zero_quantize in ("gradients", "both"),
     )
-    return calibrate_with_run(request, run) if run is not None else request
+    if run is None:
+        return request
+    from adaptive.plan.run_calibration import calibrate as calibrate_with_run
+
+    return calibrate_with_run(request, run)
 
 
 def load_run(run_dir: str) -> RunMeasurement:
     """The measurements in RUN_DIR/metrics.jsonl; AdaptiveError when missing or malformed."""
+    from adaptive.plan.run_calibration import METRICS_FILE as RUN_METRICS_FILE
+    from adaptive.plan.run_calibration import parse_records as parse_run_records
+
     path = Path(run_dir) / RUN_METRICS_FILE
     try:
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -160,6 +169,8 @@ def merge_parallel_pins(ds: DsConfigInput, sp_size: int | None, tp_size: int | N
 
 def load_ds_config(path: str, hidden_size: int) -> DsConfigInput:
     """Read, check and parse a DeepSpeed JSON (--ds-config); AdaptiveError when it cannot be used."""
+    from adaptive.plan.ds_config_input import load as load_ds_file, parse as parse_ds_config
+
     return parse_ds_config(load_ds_file(path), str(path), hidden_size)
 
 

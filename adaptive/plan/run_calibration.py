@@ -17,11 +17,10 @@ records come in as dicts; request.py reads the files.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from adaptive.errors import AdaptiveError
-from adaptive.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, MemoryEstimate
+from adaptive.plan.memory import corrected  # noqa: F401 (in __all__: the correction a run measures)
 from adaptive.plan.params import count_params
 
 METRICS_FILE = "metrics.jsonl"
@@ -77,18 +76,6 @@ def _median(values: list[float]) -> float:
     v = sorted(values)
     mid = len(v) // 2
     return float(v[mid]) if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
-
-
-def corrected(mem: MemoryEstimate, factor: float) -> MemoryEstimate:
-    """The estimate with its allocated peak scaled by a measured factor (shown as its own part)."""
-    if factor == 1.0:
-        return mem
-    allocated = mem.allocated_peak_bytes * factor
-    parts = dict(mem.parts)
-    parts["calibration_correction"] = int(allocated - mem.allocated_peak_bytes)
-    parts["fragmentation"] = int(math.ceil(FRAGMENTATION * allocated))
-    return replace(mem, parts=parts,
-                   peak_gpu_bytes=int(allocated + parts["fragmentation"] + CUDA_CONTEXT_BYTES))
 
 
 def calibrate(req, m: RunMeasurement):

@@ -22,9 +22,14 @@ def adaptive(*args: str) -> subprocess.CompletedProcess:
                           env=subprocess_env(COLUMNS="200"), timeout=60)
 
 
-def test_fit_imports_no_torch_deepspeed_or_transformers():
-    code = ("import sys; from cli.main import run; rc = run(['fit', '--model', 'b7', '--gpu', 'a100-40gb', '--json']);"
-            "heavy = [m for m in ('torch', 'deepspeed', 'transformers', 'accelerate', 'datasets') if m in sys.modules];"
+@pytest.mark.parametrize("json_output", [True, False])
+def test_fit_imports_no_torch_deepspeed_or_transformers(json_output):
+    """Nor, with --json, rich (tables only), nor the other commands' modules (cli/main.py imports the one that runs)."""
+    args = ["fit", "--model", "b7", "--gpu", "a100-40gb", *(["--json"] if json_output else [])]
+    not_imported = ("torch", "deepspeed", "transformers", "accelerate", "datasets", "cli.launch", "cli.measure",
+                    *(("rich",) if json_output else ()))
+    code = (f"import sys; from cli.main import run; rc = run({args!r});"
+            f"heavy = [m for m in {not_imported!r} if m in sys.modules];"
             "print('HEAVY', heavy, rc, file=sys.stderr)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=60)
     assert "HEAVY [] 1" in r.stderr, r.stderr  # b7 dense does not fit one A100-40GB with default host RAM

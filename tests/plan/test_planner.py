@@ -183,3 +183,20 @@ def test_equal_speed_plans_keep_the_one_with_more_headroom():
             and round(c.throughput.tokens_per_second, 6) == round(best.throughput.tokens_per_second, 6)]
     assert len({c.setup.zero_stage for c in ties}) > 1  # ZeRO-1 and ZeRO-2 run alike on one GPU
     assert best.memory.peak_gpu_bytes == min(c.memory.peak_gpu_bytes for c in ties)
+
+
+def test_fit_keeps_to_its_budget_of_estimates(monkeypatch):
+    """`adaptive fit` answers in under 0.2 s (issue 10; bench/bench_fit.py times it). Counted, not timed: b7 on one
+    A100-40GB does not fit, so fit searches 280 candidates, then every larger GPU for what would fit. Each setup's
+    memory is estimated once (the GPU searches share setups), and only candidates that fit (or, without a fit, that
+    fit the GPU) are timed: 385 memory and 292 throughput estimates for 1,039 candidates when this was written."""
+    from adaptive.plan import planner
+
+    timed = []
+    real = planner.estimate_throughput
+    monkeypatch.setattr(planner, "estimate_throughput", lambda *args: timed.append(args) or real(*args))
+    planner._setup_and_memory.cache_clear()
+    plan = fit(make_request(model="b7", gpu="a100-40gb"))
+    assert not plan.fits and plan.searched == 280 and len(plan.suggestions) == 4
+    assert planner._setup_and_memory.cache_info().misses <= 450
+    assert len(timed) <= 350
