@@ -61,9 +61,10 @@ def sp_heads_error(spec: ModelSpec, sp: int) -> str | None:
 def tp_heads_error(spec: ModelSpec, tp: int) -> str | None:
     """AutoTP splits q/k/v projections by heads; uneven shards need tp_grain_size, which training
     does not activate yet (runtime/tensor_parallel/config.py TPConfig.tp_grain_size)."""
-    q = spec.num_attention_heads
-    if q % tp:
-        return f"attention heads ({q}) must be divisible by --tp-size ({tp}) for AutoTP"
+    q, kv = spec.num_attention_heads, spec.num_key_value_heads
+    if q % tp or kv % tp:
+        # DeepSpeed only warns when tp exceeds the kv heads (engine.py:1048); the shards would hold no whole head
+        return f"attention heads ({q}) and key-value heads ({kv}) must be divisible by --tp-size ({tp}) for AutoTP"
     if spec.hidden_size % tp or spec.intermediate_size % tp:
         return f"hidden ({spec.hidden_size}) and MLP ({spec.intermediate_size}) widths must be divisible by --tp-size ({tp})"
     return None

@@ -34,7 +34,6 @@ from adaptive.errors import AdaptiveError, from_validation
 from adaptive.extras import require
 from adaptive.train.callbacks import Knobs
 from adaptive.train.init_from import planned_model
-from adaptive.train.layout import check_layout, data_parallel_ranks
 from adaptive.plan import GPU, Plan, fit, get_gpu, make_request
 from adaptive.plan.ds_config_input import load as load_ds_file, offload_pin, pins
 from adaptive.plan.ds_config_schema import check as check_ds_shape
@@ -49,6 +48,11 @@ CPU_MAX_STEPS = 100
 GPU_SEQ_LEN = 2048  # the regime of the claims we compared against (docs/BENCHMARKS.md)
 FP16_SECTION = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                 "hysteresis": 2, "min_loss_scale": 1}
+
+
+def _data_parallel_ranks(world_size: int, sp_size: int, tp_size: int) -> int:
+    """The data-parallel ranks DeepSpeed counts: processes / (sp x tp)."""
+    return world_size // (sp_size * tp_size)
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,7 @@ class RunPlan:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.knobs.tokens_per_step * data_parallel_ranks(self.world.size, 1, self.knobs.tp_size)
+        return self.knobs.tokens_per_step * _data_parallel_ranks(self.world.size, 1, self.knobs.tp_size)
 
     @property
     def peak_tflops(self) -> float | None:
@@ -282,9 +286,7 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
         sp_size=layout.get("sp_size"), tp_size=layout.get("tp_size"), zero_hpz=layout.get("zero_hpz"),
         zero_quantize=layout.get("zero_quantize"),
     )
-    sp_size, tp_size = pinned_sp, pinned_tp  # pinned; else the plan's, below
-    check_layout(sp_size, tp_size, world.size, arch, request.spec.num_attention_heads,
-                 request.spec.num_key_value_heads)
+    # fit refuses, in one line, a layout DeepSpeed or this runtime cannot train (plan/parallel.py layout_error)
     plan = fit(request, suggest=not cpu)
     if not plan.fits and not cpu:
         hint = f"; would fit: {plan.suggestions[0]}" if plan.suggestions else ""
@@ -294,8 +296,7 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
         )
     chosen = plan.shown
     s = chosen.setup
-    # what the plan chose where nothing pinned them (its setup's sp_size / tp_size, once the planner picks them)
-    sp_size, tp_size = (layout[k] or getattr(s, k, None) or 1 for k in ("sp_size", "tp_size"))
+    sp_size, tp_size = s.sp_size, s.tp_size  # the pins, or the plan's choice
     if chosen.grad_accum % sp_size:
         raise AdaptiveError(f"the plan's gradient accumulation ({chosen.grad_accum}) must be a multiple of sp_size "
                             f"({sp_size}); pin --grad-accum to one")
@@ -304,10 +305,6 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
                   offload_optimizer=s.offload_optimizer, offload_params=s.offload_params, ep_size=s.ep_size,
                   checkpoint_policy=s.checkpointing,
                   sp_size=sp_size, tp_size=tp_size)
-    spec = request.spec  # again: the plan's choice, where nothing was pinned
-    check_layout(sp_size, tp_size, world.size, arch, spec.num_attention_heads, spec.num_key_value_heads)
-    if sp_size > 1 and s.seq_len % sp_size:
-        raise AdaptiveError(f"the sequence ({s.seq_len} tokens) must be divisible by sp_size ({sp_size})")
     precision = precision_for(device, source, env)
     base = source.config if source.config is not None else ds_config(s, chosen.grad_accum, request.gpu)
     cfg = finalize_ds_config(base, knobs, world.size, precision, pins.get("clipping"), zero_plus(layout))
@@ -369,7 +366,7 @@ def steps_for(max_steps: int | None, tokens: float | None, knobs: Knobs, world_s
     or a short CPU run."""
     if max_steps is not None:
         return max_steps
-    per_step = knobs.tokens_per_step * data_parallel_ranks(world_size, 1, knobs.tp_size)
+    per_step = knobs.tokens_per_step * _data_parallel_ranks(world_size, 1, knobs.tp_size)
     if tokens is not None:
         return max(1, math.ceil(tokens / per_step))
     return CPU_MAX_STEPS if cpu else max(1, math.ceil(plan.train_tokens / per_step))
@@ -459,7 +456,7 @@ def check_with_deepspeed(cfg: dict[str, Any], world_size: int) -> None:
     checked = {k: v for k, v in copy.deepcopy(cfg).items() if k != "train_batch_size"}
     sp = cfg.get("sequence_parallel_size") or 1  # Ulysses' mpu divides the world; AutoTP's mesh comes later
     try:
-        DeepSpeedConfig(checked, mpu=_DataParallel(max(1, data_parallel_ranks(world_size, sp, 1))))
+        DeepSpeedConfig(checked, mpu=_DataParallel(max(1, _data_parallel_ranks(world_size, sp, 1))))
     except ValidationError as err:
         section = "zero_optimization" if err.title == DeepSpeedZeroConfig.__name__ else err.title
         known = _keys_at(DeepSpeedZeroConfig, err.errors()[0]["loc"]) if section == "zero_optimization" else ()

@@ -82,14 +82,14 @@ def test_a_deepspeed_file_pins_them_and_a_contradicting_flag_is_refused(tmp_path
 
 
 @pytest.mark.parametrize("flags, arch, world, message", [
-    (("--sp-size", "2"), "mod", TWO, r"sp_size \(2\) with mod: MoD routes the top-k tokens of the whole sequence"),
-    (("--sp-size", "2"), "hybrid", TWO, r"sp_size \(2\) with hybrid"),
-    (("--sp-size", "2"), "moe", TWO, r"sp_size \(2\) with moe: an MoE gate's capacity"),
-    (("--tp-size", "2"), "moe", TWO, r"tp_size \(2\) with moe: DeepSpeed's MoE experts do not shard with AutoTP"),
-    (("--sp-size", "2", "--tp-size", "2"), "dense", World(4, 4), r"do not nest on one world"),
-    (("--sp-size", "2"), "dense", World(3, 3), r"the 3 processes must be divisible by sp_size \(2\)"),
-    (("--tp-size", "4"), "dense", World(4, 4), r"num_key_value_heads \(2\) must be divisible by tp_size \(4\)"),
-    (("--sp-size", "8"), "dense", World(8, 8), r"num_attention_heads \(4\) must be divisible by sp_size \(8\)"),
+    (("--sp-size", "2"), "mod", TWO, "--sp-size 2 with mod: MoD routes top-k over the whole sequence"),
+    (("--sp-size", "2"), "hybrid", TWO, "--sp-size 2 with hybrid"),
+    (("--sp-size", "2"), "moe", TWO, "--sp-size 2 with moe: an MoE gate's capacity"),
+    (("--tp-size", "2"), "moe", TWO, "--tp-size 2 with moe: DeepSpeed composes AutoTP with MoE only through AutoEP"),
+    (("--sp-size", "2", "--tp-size", "2"), "dense", World(4, 4), "does not compose AutoTP with Ulysses SP"),
+    (("--sp-size", "2"), "dense", World(3, 3), r"number of GPUs \(3\) must be divisible by --tp-size x --sp-size \(1 x 2\)"),
+    (("--tp-size", "4"), "dense", World(4, 4), r"key-value heads \(2\) must be divisible by --tp-size \(4\)"),
+    (("--sp-size", "8"), "dense", World(8, 8), r"attention heads \(4\) must be divisible by --sp-size \(8\)"),
     (("--zero", "2", "--zero-hpz", "2"), "dense", TWO, r"ZeRO\+\+ \(--zero-hpz\) works only with ZeRO-3"),
     (("--zero", "1", "--zero-quantize", "weights"), "dense", TWO, r"ZeRO\+\+ \(qwZ\) works only with ZeRO-3"),
 ])
@@ -101,11 +101,15 @@ def test_what_the_runtime_cannot_train_exactly_is_refused_in_one_line(flags, arc
 
 def test_sp_with_four_kv_heads_divides_or_is_divided():
     """GQA: Ulysses replicates kv heads when sp exceeds them (sp a multiple of kv heads)."""
-    from adaptive.train.layout import check_layout
+    from dataclasses import replace
 
-    check_layout(4, 1, 4, "dense", heads=8, kv_heads=2)  # 4 % 2 == 0: replicated kv heads
-    with pytest.raises(AdaptiveError, match=r"num_key_value_heads \(3\) and sp_size \(2\): one must divide"):
-        check_layout(2, 1, 2, "dense", heads=6, kv_heads=3)
+    from adaptive.plan.parallel import sp_heads_error
+    from adaptive.plan.presets import preset_spec
+
+    spec = preset_spec("debug", "dense")
+    assert sp_heads_error(replace(spec, num_attention_heads=8, num_key_value_heads=2), 4) is None
+    assert "key-value heads (3) must divide or be divisible by --sp-size (2)" in sp_heads_error(
+        replace(spec, num_attention_heads=6, num_key_value_heads=3), 2)
 
 
 def test_a_resume_with_another_sp_or_tp_size_is_refused_in_one_line(tmp_path):
