@@ -50,6 +50,11 @@ _MLP_TP_PLAN = {
     "layers.*.mlp.up_proj": "colwise",
     "layers.*.mlp.down_proj": "rowwise",
 }
+_EXPERTS_TP_PLAN = {
+    "layers.*.mlp.deepspeed_moe.experts.deepspeed_experts.*.gate_proj": "colwise",
+    "layers.*.mlp.deepspeed_moe.experts.deepspeed_experts.*.up_proj": "colwise",
+    "layers.*.mlp.deepspeed_moe.experts.deepspeed_experts.*.down_proj": "rowwise",
+}
 
 
 @strict
@@ -159,7 +164,8 @@ class AdaptiveConfig(PreTrainedConfig):
     @property
     def base_model_tp_plan(self) -> dict[str, str]:
         has_mlp = any(not block_type(t).has_experts for t in self.block_types)
-        return {**_ATTENTION_TP_PLAN, **(_MLP_TP_PLAN if has_mlp else {})}
+        experts = self.moe_implementation == "deepspeed" and bool(self.moe_layers)
+        return {**_ATTENTION_TP_PLAN, **(_MLP_TP_PLAN if has_mlp else {}), **(_EXPERTS_TP_PLAN if experts else {})}
 
     def validate_adaptive(self) -> None:
         """Run by `@strict` at save time; `__post_init__` runs the same checks at construction."""

@@ -470,13 +470,14 @@ class AdaptivePreTrainedModel(PreTrainedModel):
             self._expert_parallel_ready = all(b.expert_parallel_ready for b in blocks)
         return self._expert_parallel_ready
 
-    def setup_expert_parallel(self) -> None:
+    def setup_expert_parallel(self, tp_size: int = 1) -> None:
         """Create DeepSpeed's process groups for DeepSpeed MoE blocks (after torch.distributed is up,
-        or it initialises a single-process group). Idempotent; deepspeed.initialize also does it."""
+        or it initialises a single-process group), inside AutoTP's mesh for `tp_size` > 1. Idempotent;
+        deepspeed.initialize also does it."""
         if self.config.moe_implementation == "deepspeed" and self.config.moe_layers:
             from adaptive.models.moe_deepspeed import ensure_expert_parallel
 
-            ensure_expert_parallel(self)
+            ensure_expert_parallel(self, tp_size)
         self._expert_parallel_ready = True
 
     def load_global_state_dict(self, state_dict: dict, strict: bool = True):

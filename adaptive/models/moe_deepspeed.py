@@ -28,6 +28,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.sharded_moe import TopKGate
+from deepspeed.utils import groups
+from deepspeed.moe import mappings
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_group, bwc_tensor_model_parallel_world_size
 from torch import nn
 
 from adaptive.engine import expert_parallel_rank
@@ -55,7 +58,11 @@ class DeepSpeedGate(TopKGate):
         assert sparse_routes and not use_tutel, "DeepSpeedGate serves MOELayer's sparse dispatch only"
         routes = gate_routes(self, input, self.ep_group, used_token)
         self.last_stats = routes.stats
-        return (routes.stats.l_aux, routes.capacity, self.num_experts, routes.experts.int(),
+        # Under tensor parallelism MOELayer splits each expert's buffer over the TP ranks (drop_tokens), so the
+        # buffer's capacity must divide by tp: pad it with empty slots; which tokens are kept does not change
+        tp = bwc_tensor_model_parallel_world_size(groups.mpu)
+        capacity = routes.capacity if tp == 1 else (routes.capacity + tp - 1) // tp * tp
+        return (routes.stats.l_aux, capacity, self.num_experts, routes.experts.int(),
                 routes.locations.int(), routes.weights, routes.stats.expert_counts)
 
 
@@ -68,7 +75,7 @@ class DeepSpeedMoE(MoE):
         super().__init__(hidden_size, expert, num_experts=num_experts, ep_size=ep_size, k=k,
                          capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor or 1.0,
                          min_capacity=min_capacity, use_residual=False, noisy_gate_policy=noisy_gate_policy,
-                         drop_tokens=drop_tokens, use_rts=False,
+                         drop_tokens=drop_tokens, use_rts=False, enable_expert_tensor_parallelism=True,
                          top2_2nd_expert_sampling=top2_2nd_expert_sampling)
         self.deepspeed_moe.gate = DeepSpeedGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor,
                                                 min_capacity, drop_tokens, noisy_gate_policy,
@@ -86,6 +93,8 @@ class DeepSpeedMoE(MoE):
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         # Idempotent: deepspeed.initialize calls this again after ensure_expert_parallel may have.
         if not self.expert_parallel_ready:
+            if dist.get_backend() == "gloo":
+                mappings._gather_tokens = _gather_tokens_gloo
             super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
 
     def forward(self, hidden_states: torch.Tensor, used: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
@@ -115,13 +124,37 @@ def ensure_distributed(device: torch.device | None = None) -> None:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # wraps an existing group
 
 
-def ensure_expert_parallel(model: nn.Module) -> None:
-    """Create DeepSpeed's expert/data-parallel groups for every DeepSpeed MoE block. Idempotent."""
+def _gather_tokens_gloo(input_: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """`deepspeed.moe.mappings._gather_tokens` with an output gloo takes. DeepSpeed hands
+    all_gather_into_tensor a flat buffer: NCCL accepts it, gloo refuses it ("ProcessGroupGloo::allgather:
+    invalid tensor size"). The same gather along dim 0, then laid out along `dim` as DeepSpeed does."""
+    world = bwc_tensor_model_parallel_world_size(groups.mpu)
+    input_ = input_.contiguous()
+    if world == 1:
+        return input_
+    out = torch.empty((world * input_.shape[0], *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+    dist.all_gather_into_tensor(out, input_, group=bwc_tensor_model_parallel_group(groups.mpu))
+    return out if dim == 0 else torch.cat(out.chunk(world), dim=dim)
+
+
+def use_tensor_parallel_mesh(tp_size: int) -> None:
+    """AutoTP's (data, tensor) mesh, before the expert groups are built on it. deepspeed.initialize makes the
+    same two calls (engine.py _configure_tensor_parallel_states, then `groups.mpu = self.mpu`) and finds the
+    mesh in place; expert groups built before them would ignore the TP ranks."""
+    groups._init_tp_mesh_device(tensor_model_parallel_size=tp_size)
+    groups.mpu = groups
+
+
+def ensure_expert_parallel(model: nn.Module, tp_size: int = 1) -> None:
+    """Create DeepSpeed's expert/data-parallel groups for every DeepSpeed MoE block (inside AutoTP's mesh when
+    `tp_size` > 1, the experts then sharded over it too). Idempotent."""
     blocks = [m for m in model.modules() if isinstance(m, DeepSpeedMoE)]
     if not blocks or all(b.expert_parallel_ready for b in blocks):
         return
     device = next(model.parameters()).device
     ensure_distributed(device)
+    if tp_size > 1:
+        use_tensor_parallel_mesh(tp_size)
     ep_size = blocks[0].ep_size
     if dist.get_world_size() % ep_size:
         raise AdaptiveError(
@@ -148,12 +181,13 @@ def localize_expert_state_dict(state_dict: dict, num_experts: int, ep_size: int,
     return out
 
 
-def globalize_expert_state_dict(model: nn.Module) -> dict:
-    """The full state dict with global expert ids, gathered over the expert-parallel group.
+def globalize_expert_state_dict(model: nn.Module, state: dict | None = None) -> dict:
+    """The full state dict (`state`, default the model's) with global expert ids, gathered over the
+    expert-parallel group.
 
     A collective: call it on every rank. Each rank returns the same dict.
     """
-    state = model.state_dict()
+    state = model.state_dict() if state is None else state
     blocks = [m for m in model.modules() if isinstance(m, DeepSpeedMoE)]
     if not blocks or blocks[0].ep_size == 1:
         return state

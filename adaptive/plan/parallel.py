@@ -89,11 +89,6 @@ def layout_error(spec: ModelSpec, layout: Layout, *, world: int, gpus_per_node: 
         # AutoTP): measured on two CPU ranks, a norm of 1.28 where the whole model's is 1.60
         return (f"--tp-size {tp} with --zero 0: DeepSpeed's gradient norm (and clipping) without a ZeRO optimizer "
                 "sees only this rank's AutoTP shards; use ZeRO 1-3")
-    if tp > 1 and spec.is_moe:
-        # DeepSpeed folds expert groups into the TP mesh only through AutoEP (engine._configure_expert_parallel),
-        # which replaces transformers-style MoE blocks; the native MoE layer's expert groups ignore that mesh
-        return (f"--tp-size {tp} with {spec.arch}: DeepSpeed composes AutoTP with MoE only through AutoEP, not with "
-                "the native deepspeed.moe MoE layer that adaptive's models run")
     if sp > 1:
         if spec.is_moe:
             # an MoE gate's capacity and its balancing loss are sums over the tokens it sees: one shard's
@@ -145,6 +140,20 @@ def tp_allreduce_bytes_per_layer(tokens: int, hidden: int, bytes_per_value: int)
     return 4 * tokens * hidden * bytes_per_value
 
 
+def expert_tp_bytes_per_moe_layer(tokens: int, spec: ModelSpec, capacity_factor: float, tp: int,
+                                  bytes_per_value: int) -> float:
+    """Bytes one TP rank sends per MoE layer for expert tensor parallelism, beyond a dense layer's all-reduces
+    (moe/sharded_moe.py MOELayer, moe/mappings.py): the dispatched slots (tokens x top-k x capacity factor)
+    are all-gathered over the TP group before the experts, and again in backward (drop_tokens' gradient);
+    the experts' row-parallel all-reduces (forward output, backward input gradient) run over the slots
+    instead of the tokens."""
+    hidden = spec.hidden_size * bytes_per_value
+    slots = tokens * spec.num_experts_per_tok * capacity_factor
+    gathers = 2 * slots * hidden * (tp - 1) / tp
+    allreduces = 2 * (slots - tokens) * hidden * 2 * (tp - 1) / tp
+    return gathers + max(0.0, allreduces)
+
+
 def sp_alltoall_bytes_per_layer(spec: ModelSpec, local_tokens: int, sp: int, bytes_per_value: int) -> float:
     """Ulysses: forward all-to-alls of q, k, v into head shards and of the output back, the same in backward.
     Local tensors are (tokens/sp) x heads x head_dim; kv heads fewer than sp are replicated to sp."""
@@ -154,6 +163,7 @@ def sp_alltoall_bytes_per_layer(spec: ModelSpec, local_tokens: int, sp: int, byt
     return 2 * local_tokens * (q + 2 * kv + q) * bytes_per_value
 
 
-__all__ = ["Layout", "QGZ_BYTES_PER_PARAM", "QWZ_BYTES_PER_PARAM", "divisors_up_to", "layout_error",
+__all__ = ["Layout", "QGZ_BYTES_PER_PARAM", "QWZ_BYTES_PER_PARAM", "divisors_up_to", "expert_tp_bytes_per_moe_layer",
+           "layout_error",
            "sp_alltoall_bytes_per_layer", "sp_heads_error", "tp_activation_factor", "tp_allreduce_bytes_per_layer",
            "tp_sharded_params"]

@@ -23,8 +23,8 @@ from adaptive.plan.gpus import GPU
 from adaptive.plan.blocks import block_type
 from adaptive.plan.hardware import NCCL_BUS_EFFICIENCY, figures
 from adaptive.plan.memory import TrainSetup, reduce_bucket_elements
-from adaptive.plan.parallel import (QGZ_BYTES_PER_PARAM, QWZ_BYTES_PER_PARAM, sp_alltoall_bytes_per_layer,
-                                    tp_allreduce_bytes_per_layer, tp_sharded_params)
+from adaptive.plan.parallel import (QGZ_BYTES_PER_PARAM, QWZ_BYTES_PER_PARAM, expert_tp_bytes_per_moe_layer,
+                                    sp_alltoall_bytes_per_layer, tp_allreduce_bytes_per_layer, tp_sharded_params)
 from adaptive.plan.params import count_params, expert_params, layer_params, mod_router_params
 from adaptive.plan.presets import ModelSpec
 
@@ -191,7 +191,11 @@ def model_parallel_comm(setup: TrainSetup, gpu: GPU, grad_accum: int) -> tuple[f
     if setup.tp_size > 1:
         t = setup.tp_size
         volume = tp_allreduce_bytes_per_layer(tokens, s.hidden_size, setup.bytes_per_param) * 2 * (t - 1) / t
-        tp_s = redo * volume * layers * grad_accum / (intra_node_gbps(gpu) * 1e9)
+        volume *= layers
+        if s.is_moe:  # the experts are tensor-parallel too
+            volume += s.num_moe_layers * expert_tp_bytes_per_moe_layer(tokens, s, setup.capacity_factor, t,
+                                                                        setup.bytes_per_param)
+        tp_s = redo * volume * grad_accum / (intra_node_gbps(gpu) * 1e9)
     if setup.sp_size > 1:
         p = setup.sp_size
         local = tokens // p

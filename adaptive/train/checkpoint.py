@@ -361,6 +361,20 @@ def load_checkpoint(accelerator: Any, path: Path, trusted: bool = False) -> None
 # HF export
 
 
+def tensor_parallel_state_dict(model: Any) -> dict[str, Any]:
+    """The model's state dict with AutoTP's shards gathered, on every rank of the TP group (a collective).
+    DeepSpeed's own (engine._replace_module_consolidated_state_dict) keeps it on global rank 0 only."""
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+    out = {key: value.detach().cpu() for key, value in model.state_dict().items()}  # buffers too
+    for prefix, module in model.named_modules():
+        params = [(name, p) for name, p in module.named_parameters(recurse=False) if p is not None]
+        with GatherReplacedLayerParams([p for _, p in params], module, enabled=True):
+            for name, p in params:
+                out[f"{prefix}.{name}" if prefix else name] = p.detach().cpu().clone()
+    return out
+
+
 def export_hf(accelerator: Any, engine: Any, tokenizer: Any, target: Path, metadata: dict[str, Any],
               export_format: str = "auto") -> Path:
     """Write an HF model folder (safetensors, config, tokenizer) to `target`, atomically. All ranks call it.
@@ -380,12 +394,21 @@ def export_hf(accelerator: Any, engine: Any, tokenizer: Any, target: Path, metad
     config = model.config
     chosen = None
     tensor_parallel = (accelerator.deepspeed_config.get("tensor_parallel") or {}).get("autotp_size", 0) > 1
-    if accelerator.deepspeed_config["zero_optimization"]["stage"] == 3 or tensor_parallel:
+    expert_parallel = config.ep_size > 1 and bool(config.moe_layers)
+    if tensor_parallel and expert_parallel:
+        # DeepSpeed's TP gather fills rank 0's dict only, which holds rank 0's experts alone: gather the
+        # TP shards on every rank, then the experts over the expert-parallel group (collectives)
+        from adaptive.models.moe_deepspeed import globalize_expert_state_dict
+
+        state_dict = globalize_expert_state_dict(model, tensor_parallel_state_dict(model))
+        if main:
+            chosen = export_pretrained(model, tmp, export_format, state_dict=state_dict)
+    elif accelerator.deepspeed_config["zero_optimization"]["stage"] == 3 or tensor_parallel:
         # DeepSpeed gathers the ZeRO-3 partitions and AutoTP shards onto rank 0 (a collective)
         state_dict = accelerator.get_state_dict(engine)
         if main:
             chosen = export_pretrained(model, tmp, export_format, state_dict=state_dict)
-    elif config.ep_size > 1 and config.moe_layers:
+    elif expert_parallel:
         # gathers every rank's experts (a collective)
         chosen = export_pretrained(model, tmp, export_format, is_main_process=main)
     elif main:

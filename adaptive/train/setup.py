@@ -174,7 +174,7 @@ def build_model(run: RunPlan, tokenizer: Any, seed: int) -> Any:
     if run.init_from:
         load_init_weights(model, run.init_from)
     elif knobs.ep_size > 1 and config.moe_layers:
-        reinit_local_experts(model, seed)
+        reinit_local_experts(model, seed, knobs.tp_size)
     if knobs.checkpoint_policy != "off":  # full, or selective (mlp, every:N) as planned or pinned
         from adaptive.models.checkpointing import apply_checkpointing
 
@@ -182,13 +182,14 @@ def build_model(run: RunPlan, tokenizer: Any, seed: int) -> Any:
     return model
 
 
-def reinit_local_experts(model: Any, seed: int) -> None:
+def reinit_local_experts(model: Any, seed: int, tp_size: int = 1) -> None:
     """Under expert parallelism every rank builds its local experts from the same seed, so global
-    experts r*E/P + i would start equal on every rank r; draw each rank's experts afresh instead."""
+    experts r*E/P + i would start equal on every rank r; draw each rank's experts afresh instead. The ranks
+    of a TP group share an expert-parallel rank, so they draw the same whole experts, which AutoTP shards."""
     from adaptive.models.moe_deepspeed import DeepSpeedMoE, expert_parallel_rank
 
     blocks = [m for m in model.modules() if isinstance(m, DeepSpeedMoE)]
-    model.setup_expert_parallel()
+    model.setup_expert_parallel(tp_size)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + 1 + expert_parallel_rank(blocks[0].ep_size))
     std = model.config.initializer_range
     with torch.no_grad():

@@ -67,3 +67,18 @@ def test_the_tp_plan_names_the_dense_and_attention_projections():
     moe = AdaptiveConfig.from_preset("debug", arch="moe")
     assert set(moe.base_model_tp_plan) == {p for p in model.config.base_model_tp_plan if "self_attn" in p} or \
         any(t == "dense" for t in moe.block_types)
+
+
+def test_the_tp_plan_of_deepspeed_moe_names_every_experts_projections():
+    """Expert tensor parallelism: AutoTP shards DeepSpeed-MoE's experts like the dense MLP (column-parallel
+    gate/up, row-parallel down); the native block's 3D experts are not nn.Linear, so its plan leaves them out."""
+    native = AdaptiveConfig.from_preset("debug", arch="moe")
+    assert not any("experts" in p for p in native.base_model_tp_plan)
+    config = AdaptiveConfig.from_preset("debug", arch="moe", moe_implementation="deepspeed")
+    model = AdaptiveForCausalLM(config)
+    names = [name for name, _ in model.model.named_modules()]
+    experts = {p: s for p, s in config.base_model_tp_plan.items() if "experts" in p}
+    assert sorted(experts.values()) == ["colwise", "colwise", "rowwise"]
+    for pattern in experts:
+        regex = re.compile(pattern.replace(".", r"\.").replace("*", r"\d+") + "$")
+        assert sum(bool(regex.match(n)) for n in names) == len(config.moe_layers) * config.num_local_experts, pattern

@@ -139,7 +139,7 @@ def test_the_scenario_plans_emit_configs_deepspeed_accepts(single_process_group)
     (dict(nodes=2, zero_hpz=3), r"--zero-hpz \(3\) must divide the GPUs per node \(8\)"),
     (dict(nodes=2, tp_size=2, zero_hpz=8), "hpZ groups from consecutive ranks"),
     (dict(nodes=2, tp_size=2, zero_quantize="gradients"), "qgZ with --tp-size 2"),
-    (dict(arch="moe", tp_size=8, ep_size=8), "DeepSpeed composes AutoTP with MoE only through AutoEP"),
+    (dict(arch="moe", tp_size=8, ep_size=8), r"ep_size \(8\) must divide the data-parallel size 1"),
     (dict(arch="moe", sp_size=2), "an MoE gate's capacity and balancing loss would be per-shard"),
 ])
 def test_combinations_deepspeed_refuses_are_one_line(kw, message):
@@ -194,21 +194,27 @@ def test_llama2_70b_on_2048_a100_with_a_4m_token_batch_fits():
     assert plan.fits and s.seq_len == 4096 and s.dp_size * s.micro_batch_size * plan.shown.grad_accum * 4096 == 4 * 2**20
 
 
-def test_b70_moe_on_64_h100_does_not_fit_without_expert_tensor_parallelism():
-    # 464B params; DeepSpeed's native MoE refuses ZeRO-3 and composes with AutoTP only through AutoEP, so each GPU
-    # holds the dense part and 1/ep of the experts in 16-bit: 137 GB, whatever the offload
+def test_b70_moe_on_64_h100_fits_only_with_expert_tensor_parallelism():
+    # 464B params: DeepSpeed's native MoE refuses ZeRO-3, so without TP each GPU holds the dense part and 1/ep of
+    # the experts in 16-bit, 137 GB whatever the offload. AutoTP shards the experts too (DeepSpeed-MoE's expert
+    # tensor parallelism, tests/train/test_sequence_tensor_parallel.py), down to 1/(ep x tp) of them.
     req = make_request(model="b70", arch="moe", gpu="h100-80gb", gpus=8, nodes=8)
+    without = fit(replace(req, tp_size=1), suggest=False)
+    assert not without.fits and without.closest.setup.ep_size == 8
+    counts = count_params(without.closest.setup.spec)
+    assert without.closest.memory.parts["params"] == int(2 * (counts.total - counts.expert + counts.expert / 8))
     plan = fit(req, suggest=False)
-    c = plan.closest
-    assert not plan.fits and c.setup.tp_size == 1 and c.setup.ep_size == 8
-    counts = count_params(c.setup.spec)
-    assert c.memory.parts["params"] == int(2 * (counts.total - counts.expert + counts.expert / 8))
+    s = plan.shown.setup
+    assert plan.fits and s.tp_size == 8 and s.ep_size == 8 and s.dp_size == 8
+    norms = (2 * s.spec.num_hidden_layers + 1) * s.spec.hidden_size  # the only weights AutoTP keeps whole
+    sharded = (counts.total - counts.expert - norms) / 8 + counts.expert / (8 * 8)
+    assert plan.shown.memory.parts["params"] == pytest.approx(2 * (sharded + norms), rel=1e-9)
     # the host-RAM formula for an offload plan: DeepSpeed's ZeRO-2 offload estimator (max(4 x GPUs, 16) bytes
     # per param, x1.5) applied to what each group replicates: the dense part over all GPUs, the routed experts
     # over world/ep only
-    s = replace(c.setup, offload_optimizer=True, zero_stage=2)
+    one = replace(without.closest.setup, offload_optimizer=True, zero_stage=2)
     by_hand = 1.5 * ((counts.total - counts.expert) * 4 * 64 + counts.expert * 4 * 8) / 8
-    assert estimate_memory(s).host_bytes_per_node == pytest.approx(by_hand, rel=1e-9)
+    assert estimate_memory(one).host_bytes_per_node == pytest.approx(by_hand, rel=1e-9)
 
 
 def test_the_oom_ladder_offers_sequence_parallel_before_a_shorter_sequence():

@@ -1,9 +1,11 @@
-"""The debug dense recipe with a callback that records what sequence and tensor parallelism did, per rank:
+"""A debug recipe (dense, or the arch given) with a callback that records what sequence and tensor parallelism
+did, per rank:
 
-    accelerate launch --use_deepspeed --num_processes 2 tests/train/_parallel_driver.py OUT_DIR -- FLAGS
+    accelerate launch --use_deepspeed --num_processes 2 tests/train/_parallel_driver.py OUT_DIR [ARCH] -- FLAGS
 
-OUT_DIR/rank{R}.json: the modules AutoTP put in place and their weight shapes, whether DeepSpeed's Ulysses
-attention replaced transformers' sdpa, the batch shapes the model saw, and each micro-batch's loss.
+OUT_DIR/rank{R}.json: the modules AutoTP put in place and their weight shapes (an MoE layer's first expert's
+too), whether DeepSpeed's Ulysses attention replaced transformers' sdpa, the batch shapes the model saw, and
+each micro-batch's loss.
 """
 
 from __future__ import annotations
@@ -26,11 +28,20 @@ class ParallelRecorder(Callback):
 
         model = state.accelerator.unwrap_model(state.model)
         layer = model.model.layers[0]
+        for moe in (m.mlp for m in model.model.layers if hasattr(m.mlp, "deepspeed_moe")):
+            expert = moe.deepspeed_moe.experts.deepspeed_experts[0]
+            self.record.update(expert_up_proj=type(expert.up_proj).__name__,
+                               expert_up_proj_shape=list(expert.up_proj.weight.shape),
+                               expert_down_proj=type(expert.down_proj).__name__,
+                               expert_down_proj_shape=list(expert.down_proj.weight.shape),
+                               local_experts=len(moe.deepspeed_moe.experts.deepspeed_experts))
+            break
+        if hasattr(layer.mlp, "down_proj"):  # a dense MLP
+            self.record.update(down_proj=type(layer.mlp.down_proj).__name__,
+                               down_proj_shape=list(layer.mlp.down_proj.weight.shape))
         self.record.update(
-            q_proj=type(layer.self_attn.q_proj).__name__, down_proj=type(layer.mlp.down_proj).__name__,
-            lm_head=type(model.lm_head).__name__,
+            q_proj=type(layer.self_attn.q_proj).__name__, lm_head=type(model.lm_head).__name__,
             q_proj_shape=list(layer.self_attn.q_proj.weight.shape),
-            down_proj_shape=list(layer.mlp.down_proj.weight.shape),
             sdpa=getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "__qualname__", ""),
             attn_implementation=model.config._attn_implementation,
             dp_world_size=state.model.dp_world_size,
@@ -47,6 +58,7 @@ class ParallelRecorder(Callback):
 
 
 if __name__ == "__main__":
-    out, rest = sys.argv[1], sys.argv[sys.argv.index("--") + 1:]
-    recipe = Recipe(model="debug", arch="dense")
+    split = sys.argv.index("--")
+    out, arch, rest = sys.argv[1], (sys.argv[2:split] or ["dense"])[0], sys.argv[split + 1:]
+    recipe = Recipe(model="debug", arch=arch)
     raise SystemExit(recipe.main(rest, callbacks=[ParallelRecorder(out)]))

@@ -85,7 +85,7 @@ def test_a_deepspeed_file_pins_them_and_a_contradicting_flag_is_refused(tmp_path
     (("--sp-size", "2"), "mod", TWO, "--sp-size 2 with mod: MoD routes top-k over the whole sequence"),
     (("--sp-size", "2"), "hybrid", TWO, "--sp-size 2 with hybrid"),
     (("--sp-size", "2"), "moe", TWO, "--sp-size 2 with moe: an MoE gate's capacity"),
-    (("--tp-size", "2"), "moe", TWO, "--tp-size 2 with moe: DeepSpeed composes AutoTP with MoE only through AutoEP"),
+    (("--tp-size", "2", "--ep-size", "2"), "moe", TWO, r"ep_size \(2\) must divide the data-parallel size 1"),
     (("--sp-size", "2", "--tp-size", "2"), "dense", World(4, 4), "does not compose AutoTP with Ulysses SP"),
     (("--sp-size", "2"), "dense", World(3, 3), r"number of GPUs \(3\) must be divisible by --tp-size x --sp-size \(1 x 2\)"),
     (("--tp-size", "4"), "dense", World(4, 4), r"key-value heads \(2\) must be divisible by --tp-size \(4\)"),

@@ -6,6 +6,9 @@
   DeepSpeed's Ulysses attention stood in for sdpa.
 - `--tp-size 2` on two processes against one process: a TP group trains on one copy of the data; AutoTP
   sharded the attention and MLP projections (column- and row-parallel), and the losses match.
+- the same with the debug MoE recipe on DeepSpeed-MoE: the experts are sharded too (expert tensor parallelism),
+  alone and with expert parallelism (tp 2 x ep 2 on four processes against ep 2 on two); the final exports
+  gather to the same weights.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ COMMON = ("--max-steps", str(STEPS), "--log-every", "1", "--no-progress", "--seq
 FP32 = 1e-5  # a sum of 256 token losses in fp32, reordered by the all-to-alls and all-reduces
 
 
-def run(tmp_path: Path, name: str, nproc: int, *flags: str) -> tuple[dict[int, dict], list[dict]]:
+def run(tmp_path: Path, name: str, nproc: int, *flags: str, arch: str = "dense") -> tuple[dict[int, dict], list[dict]]:
     out = tmp_path / name
-    done = accelerate_launch(DRIVER, [str(out / "rec"), "--", *COMMON, "--output-dir", str(out / "run"), *flags],
+    done = accelerate_launch(DRIVER, [str(out / "rec"), arch, "--", *COMMON, "--output-dir", str(out / "run"), *flags],
                              nproc=nproc, home=tmp_path / "home", timeout=600)
     assert done.returncode == 0, tail(done)
     ranks = {r: json.loads((out / "rec" / f"rank{r}.json").read_text()) for r in range(nproc)}
@@ -82,6 +85,46 @@ def test_tp_size_2_trains_as_tp_size_1_step_by_step(tmp_path):
     print(f"tp2 vs tp1: max |loss difference| over {STEPS} steps = {worst:.3g}")
 
 
+def exported_weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(next((run_dir / "hf").glob("*.safetensors")))
+
+
+def test_tp_size_2_shards_deepspeed_moe_experts_and_trains_as_tp_size_1(tmp_path):
+    """Expert tensor parallelism: DeepSpeed-MoE's experts are AutoTP-sharded like the dense MLP (the config's
+    tp_plan), MOELayer hands each TP rank its share of every expert's capacity, and the run trains as tp 1."""
+    one, one_records = run(tmp_path, "tp1", 1, "--zero", "2", arch="moe")
+    tp, tp_records = run(tmp_path, "tp2", 2, "--tp-size", "2", "--zero", "2", arch="moe")
+    worst = assert_same_training(one_records, tp_records)
+    assert (one[0]["expert_up_proj"], one[0]["expert_up_proj_shape"]) == ("Linear", [192, 64])
+    for rank in (0, 1):
+        r = tp[rank]
+        assert (r["expert_up_proj"], r["expert_up_proj_shape"]) == ("LinearLayer", [96, 64])  # column-parallel
+        assert (r["expert_down_proj"], r["expert_down_proj_shape"]) == ("LinearAllreduce", [64, 96])  # row
+        assert (r["q_proj"], r["q_proj_shape"]) == ("LinearLayer", [32, 64]) and r["local_experts"] == 8
+    # the final export gathers the shards: the same model as tp 1's, to fp32 rounding
+    whole, gathered = exported_weights(tmp_path / "tp1" / "run"), exported_weights(tmp_path / "tp2" / "run")
+    assert whole.keys() == gathered.keys()
+    assert max((whole[k] - gathered[k]).abs().max().item() for k in whole) < 1e-5
+    print(f"MoE tp2 vs tp1: max |loss difference| over {STEPS} steps = {worst:.3g}")
+
+
+def test_tp_size_2_with_expert_parallel_2_on_four_ranks_trains_as_expert_parallel_alone(tmp_path):
+    """tp 2 x ep 2 on four processes: the expert groups are built inside AutoTP's mesh (each TP pair shares an
+    expert-parallel rank, so it holds the same two experts' shards), and the run trains as ep 2 on two."""
+    ep, ep_records = run(tmp_path, "ep2", 2, "--zero", "2", "--ep-size", "2", arch="moe")
+    both, both_records = run(tmp_path, "tp2ep2", 4, "--zero", "2", "--ep-size", "2", "--tp-size", "2", arch="moe")
+    worst = assert_same_training(ep_records, both_records)
+    assert ep[0]["local_experts"] == 4 and ep[0]["expert_up_proj_shape"] == [192, 64]
+    assert all(both[r]["local_experts"] == 4 and both[r]["expert_up_proj_shape"] == [96, 64] for r in range(4))
+    # the export gathers the TP shards and every expert-parallel rank's experts
+    want, got = exported_weights(tmp_path / "ep2" / "run"), exported_weights(tmp_path / "tp2ep2" / "run")
+    assert want.keys() == got.keys()
+    assert max((want[k] - got[k]).abs().max().item() for k in want) < 1e-5
+    print(f"MoE tp2 x ep2 vs ep2: max |loss difference| over {STEPS} steps = {worst:.3g}")
+
+
 def test_zero_hpz_trains_as_zero_3(tmp_path):
     """ZeRO++ hpZ (a secondary parameter partition for the backward all-gathers) runs on the CPU and changes no
     number. Its quantized switches need DeepSpeed's GPU quantizer kernels (test_parallel_layout)."""
@@ -92,23 +135,24 @@ def test_zero_hpz_trains_as_zero_3(tmp_path):
     assert_same_training(zero3, hpz)
 
 
-@pytest.mark.parametrize("flags", [("--sp-size", "2"), ("--tp-size", "2")], ids=["sp2", "tp2"])
-def test_a_run_killed_after_a_checkpoint_resumes_exactly_and_only_with_the_same_layout(flags, tmp_path):
+@pytest.mark.parametrize(("arch", "flags"), [("dense", ("--sp-size", "2")), ("dense", ("--tp-size", "2")),
+                                            ("moe", ("--tp-size", "2"))], ids=["sp2", "tp2", "tp2-moe"])
+def test_a_run_killed_after_a_checkpoint_resumes_exactly_and_only_with_the_same_layout(arch, flags, tmp_path):
     from tests.train._launch import driver, train_losses
 
     common = ["--max-steps", "4", "--log-every", "1", "--no-progress", "--seq-len", "64", "--micro-batch", "2",
               "--checkpoint-every", "2", "--zero", "2", *flags]
     home = tmp_path / "home"
-    full = driver("debug", "dense", {}, ["--output-dir", str(tmp_path / "full"), *common], nproc=2, home=home)
+    full = driver("debug", arch, {}, ["--output-dir", str(tmp_path / "full"), *common], nproc=2, home=home)
     assert full.returncode == 0, tail(full)
-    cut = driver("debug", "dense", {"kill_after_checkpoint": 2}, ["--output-dir", str(tmp_path / "cut"), *common],
+    cut = driver("debug", arch, {"kill_after_checkpoint": 2}, ["--output-dir", str(tmp_path / "cut"), *common],
                  nproc=2, home=home)
     assert cut.returncode != 0
-    other = driver("debug", "dense", {}, ["--output-dir", str(tmp_path / "cut"), *common[:-2], "--resume"],
+    other = driver("debug", arch, {}, ["--output-dir", str(tmp_path / "cut"), *common[:-2], "--resume"],
                    nproc=2, home=home)
     assert other.returncode != 0
     assert f"was trained with other settings ({flags[0][2:4]}_size 2 vs 1); resume with the same ones" in tail(other)
-    resumed = driver("debug", "dense", {}, ["--output-dir", str(tmp_path / "cut"), *common, "--resume"], nproc=2,
+    resumed = driver("debug", arch, {}, ["--output-dir", str(tmp_path / "cut"), *common, "--resume"], nproc=2,
                      home=home)
     assert resumed.returncode == 0, tail(resumed)
     want, got = train_losses(tmp_path / "full"), train_losses(tmp_path / "cut")
