@@ -18,6 +18,10 @@ from adaptive.recipe import Recipe
 from adaptive.train.callbacks import Callback
 
 
+def shape(weight) -> list[int]:
+    return list(getattr(weight, "ds_shape", weight.shape))  # under ZeRO-3 the tensor is this rank's partition
+
+
 class ParallelRecorder(Callback):
     def __init__(self, out_dir: str) -> None:
         self.out_dir = Path(out_dir)
@@ -31,21 +35,29 @@ class ParallelRecorder(Callback):
         for moe in (m.mlp for m in model.model.layers if hasattr(m.mlp, "deepspeed_moe")):
             expert = moe.deepspeed_moe.experts.deepspeed_experts[0]
             self.record.update(expert_up_proj=type(expert.up_proj).__name__,
-                               expert_up_proj_shape=list(expert.up_proj.weight.shape),
+                               expert_up_proj_shape=shape(expert.up_proj.weight),
                                expert_down_proj=type(expert.down_proj).__name__,
-                               expert_down_proj_shape=list(expert.down_proj.weight.shape),
+                               expert_down_proj_shape=shape(expert.down_proj.weight),
                                local_experts=len(moe.deepspeed_moe.experts.deepspeed_experts))
             break
         if hasattr(layer.mlp, "down_proj"):  # a dense MLP
             self.record.update(down_proj=type(layer.mlp.down_proj).__name__,
-                               down_proj_shape=list(layer.mlp.down_proj.weight.shape))
+                               down_proj_shape=shape(layer.mlp.down_proj.weight))
         self.record.update(
             q_proj=type(layer.self_attn.q_proj).__name__, lm_head=type(model.lm_head).__name__,
-            q_proj_shape=list(layer.self_attn.q_proj.weight.shape),
+            q_proj_shape=shape(layer.self_attn.q_proj.weight),
             sdpa=getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "__qualname__", ""),
             attn_implementation=model.config._attn_implementation,
             dp_world_size=state.model.dp_world_size,
         )
+        weight = layer.self_attn.q_proj.weight
+
+        def partitions(*_):  # layer 0 released by now: ZeRO-3's partition, and hpZ's secondary one for backward
+            for name in ("ds_tensor", "ds_secondary_tensor"):
+                if getattr(weight, name, None) is not None:
+                    self.record[f"q_proj_{name}_numel"] = getattr(weight, name).numel()
+
+        model.model.layers[1].register_forward_hook(partitions)
 
     def on_backward_end(self, state, control, *, outputs, loss, batch):
         self.record["batches"].append({k: list(v.shape) for k, v in batch.items() if hasattr(v, "shape")})

@@ -4,8 +4,11 @@
 - `--sp-size 2` against data parallelism on the same two processes: the same sequences per step, so the same
   losses, gradient norms and eval loss within fp32 rounding; each rank saw half of every sequence, and
   DeepSpeed's Ulysses attention stood in for sdpa.
-- `--tp-size 2` on two processes against one process: a TP group trains on one copy of the data; AutoTP
-  sharded the attention and MLP projections (column- and row-parallel), and the losses match.
+- `--tp-size 2` on two processes against one process, both ZeRO-3 from one saved model: a TP group trains on one
+  copy of the data; AutoTP sharded the attention and MLP projections (column- and row-parallel), and the
+  losses match.
+- `--zero-hpz 2` on four processes against plain ZeRO-3: a real secondary partition (half of each parameter,
+  the primary being a quarter), the same losses.
 - the same with the debug MoE recipe on DeepSpeed-MoE: the experts are sharded too (expert tensor parallelism),
   alone and with expert parallelism (tp 2 x ep 2 on four processes against ep 2 on two); the final exports
   gather to the same weights.
@@ -69,10 +72,17 @@ def test_sp_size_2_trains_as_sp_size_1_step_by_step(tmp_path):
 
 
 def test_tp_size_2_trains_as_tp_size_1_step_by_step(tmp_path):
-    # ZeRO-2 on both: under ZeRO-3, zero.Init builds the TP shards with another random stream than one whole
-    # model, so the runs would start from different weights (a different init, not a different training)
-    one, one_records = run(tmp_path, "tp1", 1, "--zero", "2")
-    tp, tp_records = run(tmp_path, "tp2", 2, "--tp-size", "2", "--zero", "2")
+    # ZeRO-3 on both, from one saved model (--init-from): zero.Init would build the TP shards with another random
+    # stream than one whole model, so a fresh init would start the runs from different weights
+    import torch
+
+    from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
+
+    torch.manual_seed(0)
+    AdaptiveForCausalLM(AdaptiveConfig.from_preset("debug")).save_pretrained(tmp_path / "init")
+    start = ("--zero", "3", "--init-from", str(tmp_path / "init"))
+    one, one_records = run(tmp_path, "tp1", 1, *start)
+    tp, tp_records = run(tmp_path, "tp2", 2, "--tp-size", "2", *start)
     worst = assert_same_training(one_records, tp_records)
     assert one[0]["q_proj"] == "Linear" and one[0]["q_proj_shape"] == [64, 64]
     for rank in (0, 1):
@@ -126,12 +136,17 @@ def test_tp_size_2_with_expert_parallel_2_on_four_ranks_trains_as_expert_paralle
 
 
 def test_zero_hpz_trains_as_zero_3(tmp_path):
-    """ZeRO++ hpZ (a secondary parameter partition for the backward all-gathers) runs on the CPU and changes no
-    number. Its quantized switches need DeepSpeed's GPU quantizer kernels (test_parallel_layout)."""
-    _, zero3 = run(tmp_path, "z3", 2, "--zero", "3")
-    _, hpz = run(tmp_path, "hpz", 2, "--zero", "3", "--zero-hpz", "2")
+    """ZeRO++ hpZ on four processes: each parameter keeps a secondary partition over 2 GPUs (half of it, where
+    the primary ZeRO-3 partition is a quarter) for the backward all-gathers, and no number changes. Its
+    quantized switches need DeepSpeed's GPU quantizer kernels (test_parallel_layout)."""
+    _, zero3 = run(tmp_path, "z3", 4, "--zero", "3")
+    ranks, hpz = run(tmp_path, "hpz", 4, "--zero", "3", "--zero-hpz", "2")
     assert json.loads((tmp_path / "hpz" / "run" / "ds_config.json").read_text())["zero_optimization"][
         "zero_hpz_partition_size"] == 2
+    q_proj = 64 * 64
+    for rank in range(4):
+        assert ranks[rank]["q_proj_ds_tensor_numel"] == q_proj // 4
+        assert ranks[rank]["q_proj_ds_secondary_tensor_numel"] == q_proj // 2
     assert_same_training(zero3, hpz)
 
 
