@@ -13,6 +13,11 @@ Expert parallelism: with `ep_size = P`, rank r of an expert-parallel group holds
 (HF) checkpoint maps onto it with `localize_expert_state_dict`; `AdaptivePreTrainedModel.
 load_global_state_dict` and `from_pretrained` do that for you.
 
+Expert tensor parallelism: under AutoTP (`tensor_parallel.autotp_size`) the experts are sharded like the dense
+MLP (the config's tp_plan names their projections) and DeepSpeed builds the expert groups inside AutoTP's
+(data, tensor) mesh (`enable_expert_tensor_parallelism`); each TP rank sends 1/tp of every expert's slots through
+the all-to-all, and the slots are gathered back over the TP group before the sharded experts run.
+
 DeepSpeed MoE needs torch.distributed and its expert groups. `deepspeed.initialize` creates both;
 without it, `ensure_expert_parallel(model)` (model.setup_expert_parallel(), never forward) initialises a
 single-process group when nothing has, logs that, and creates the groups.
@@ -26,10 +31,10 @@ import re
 
 import torch
 import torch.distributed as dist
+from deepspeed.moe import mappings
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.sharded_moe import TopKGate
 from deepspeed.utils import groups
-from deepspeed.moe import mappings
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_group, bwc_tensor_model_parallel_world_size
 from torch import nn
 
@@ -93,7 +98,7 @@ class DeepSpeedMoE(MoE):
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         # Idempotent: deepspeed.initialize calls this again after ensure_expert_parallel may have.
         if not self.expert_parallel_ready:
-            if dist.get_backend() == "gloo":
+            if dist.get_backend() == "gloo":  # CPU runs: DeepSpeed's tensor-parallel token gather fails there
                 mappings._gather_tokens = _gather_tokens_gloo
             super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
 
