@@ -8,7 +8,7 @@ classes build (`AdaptiveConfig.from_preset` reads the same `ModelSpec`).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 
 from adaptive.errors import AdaptiveError, unknown
@@ -103,6 +103,18 @@ class ModelSpec:
     # Where the shape came from: "preset" or "hf:<model_type>"
     source: str = "preset"
     nominal_params: float | None = None
+
+    def __hash__(self) -> int:
+        """The dataclass's hash (of the fields' tuple, layer_types and all), computed once: the planner's caches
+        hash the spec of every candidate several times."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash(tuple(getattr(self, f.name) for f in fields(self)))
+        return h
+
+    def __getstate__(self) -> dict:
+        # a string's hash differs between processes: a pickled spec computes its own
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     @cached_property  # the planner asks thousands of times per fit
     def is_moe(self) -> bool:
