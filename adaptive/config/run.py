@@ -55,6 +55,8 @@ def option(default: Any, *names: str, help: str, commands: frozenset[str], **rul
 
 @dataclass(frozen=True)
 class ModelOptions:
+    """The model: preset or HF config, architecture, kernels."""
+
     name: str | None = option(
         None, "--model", "-m", commands=SHAPE,
         help="Preset (debug, debug_200m, b1, b7, b14, b30, b70) or a path to an HF config.json; default: b7 "
@@ -83,6 +85,8 @@ class ModelOptions:
 
 @dataclass(frozen=True)
 class HardwareOptions:
+    """The GPUs: type, count, memory, price."""
+
     gpu: str | None = option(
         None, "--gpu", "-g", commands=SHAPE,
         help="GPU name or alias (see `adaptive gpus`); a run without it detects its GPU, or trains on the CPU.")
@@ -105,6 +109,8 @@ class HardwareOptions:
 
 @dataclass(frozen=True)
 class DataOptions:
+    """Sequence length and the training data."""
+
     seq_len: int | None = option(
         None, "--seq-len", commands=SHAPE | {COMPARE}, minimum=1,
         help="Sequence length (default 2048; 128 for a run on a CPU). A run's data are blocks of it: keep it "
@@ -131,6 +137,8 @@ class DataOptions:
 
 @dataclass(frozen=True)
 class ScheduleOptions:
+    """How long the run is, and its global batch."""
+
     tokens: float | None = option(
         None, "--tokens", commands=WORLD, above=0.0,
         help="Training tokens (default 20 x active params; 100 steps for a run on a CPU).")
@@ -142,6 +150,8 @@ class ScheduleOptions:
 
 @dataclass(frozen=True)
 class ParallelismOptions:
+    """The DeepSpeed knobs the planner would otherwise choose."""
+
     zero: int | None = option(None, "--zero", commands=SHAPE, minimum=0, maximum=3,
                               help="Pin the ZeRO stage (0-3).")
     offload: str | None = option(None, "--offload", commands=PLANNING, choices=("none", "optimizer", "all"),
@@ -175,6 +185,8 @@ class ParallelismOptions:
 
 @dataclass(frozen=True)
 class CheckpointingOptions:
+    """Activation checkpointing."""
+
     gradient_checkpointing: bool | None = option(None, "--checkpointing", commands=SHAPE,
                                                  negative="--no-checkpointing", help="Pin activation checkpointing.")
     checkpoint_policy: str | None = option(
@@ -185,6 +197,8 @@ class CheckpointingOptions:
 
 @dataclass(frozen=True)
 class OptimizerOptions:
+    """The optimizer and its schedule."""
+
     optimizer: str | None = option(
         None, "--optimizer", commands=FIT_ONLY,
         help="Optimizer implementation: auto (fused AdamW, as adaptive runs), adamw_torch (foreach), "
@@ -201,6 +215,8 @@ class OptimizerOptions:
 
 @dataclass(frozen=True)
 class OrchestratorOptions:
+    """The adaptive orchestrator."""
+
     orchestrator: str = option("auto", "--orchestrator", commands=RUN, choices=("on", "off", "auto"),
                                help="Adaptive orchestrator: auto follows the plan's recommendation.")
     orchestrator_policies: str | None = option(
@@ -215,6 +231,8 @@ class OrchestratorOptions:
 
 @dataclass(frozen=True)
 class OutputOptions:
+    """The run folder, checkpoints, logs and trackers."""
+
     output_dir: str | None = option(
         None, "--output-dir", "--run-dir", commands=RUN,
         help="Run folder: configs, metrics.jsonl, checkpoints/, hf/ (default runs/PRESET_ARCH).")

@@ -35,6 +35,8 @@ OVERHEAD_SOURCE = "docs/BENCHMARKS.md (bench/bench_orchestrator.py)"
 
 @dataclass(frozen=True)
 class OrchestratorAdvice:
+    """Whether to run the orchestrator, why, and what it costs."""
+
     recommended: bool
     reason: str
     overhead_time_fraction: float = MEASURED_OVERHEAD_TIME_FRACTION

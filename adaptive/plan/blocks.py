@@ -14,6 +14,8 @@ from adaptive.errors import AdaptiveError, closest
 
 @dataclass(frozen=True)
 class BlockType:
+    """One decoder block type and what it has."""
+
     name: str
     has_experts: bool  # its MLP is a mixture of experts (DeepSpeed MoE or the native block)
     routed: bool  # a Mixture-of-Depths router picks the tokens the block processes

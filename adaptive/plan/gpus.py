@@ -19,6 +19,8 @@ MiB = 2**20
 
 @dataclass(frozen=True)
 class GPU:
+    """One GPU type: memory, peak 16-bit FLOP/s, links and price."""
+
     name: str
     memory_bytes: int
     peak_tflops: float  # dense 16-bit tensor-core TFLOP/s (bf16, or fp16 where there is no bf16)

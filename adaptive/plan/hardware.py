@@ -24,6 +24,8 @@ NCCL_BUS_EFFICIENCY = 0.8
 
 @dataclass(frozen=True)
 class ClassFigures:
+    """Assumed figures for one GPU class, each with its source."""
+
     hfu: float
     hfu_source: str
     intra_node_source: str

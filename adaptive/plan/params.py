@@ -11,6 +11,8 @@ from adaptive.plan.presets import ModelSpec
 
 @dataclass(frozen=True)
 class ParamCounts:
+    """Parameter counts of one model."""
+
     total: int
     active: int  # per token: non-expert params + top-k experts (+ shared expert)
     expert: int  # params inside routed experts (split by ep_size)

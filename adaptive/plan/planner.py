@@ -77,6 +77,8 @@ class FitRequest:
 
 @dataclass(frozen=True)
 class Candidate:
+    """One configuration the search evaluated, and whether it fits."""
+
     setup: TrainSetup
     memory: MemoryEstimate
     fits_gpu: bool
@@ -101,6 +103,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class LadderStep:
+    """One rung of the OOM playbook: the change and its peak."""
+
     change: str
     peak_gpu_bytes: int
     fits: bool
@@ -109,6 +113,8 @@ class LadderStep:
 
 @dataclass(frozen=True)
 class Plan:
+    """What `fit` answers: the chosen (or closest) configuration and everything shown with it."""
+
     request: FitRequest
     counts: ParamCounts
     best: Candidate | None  # the chosen fitting plan, None when nothing fits

@@ -39,6 +39,8 @@ PARAM_OFFLOAD_EFFICIENCY = 0.5  # ZeRO-Infinity parameter fetches stall the forw
 
 @dataclass(frozen=True)
 class Throughput:
+    """A candidate's estimated speed, step time by part, and MFU."""
+
     model_flops_per_token: float  # 6·N_active(matmul params) + attention, MoD-scaled
     hardware_flops_per_token: float  # + recompute under checkpointing, + padded MoE capacity slots
     utilisation: float  # hardware FLOPs utilisation the compute kernels reach (assumption, hardware.py)
