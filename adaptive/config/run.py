@@ -14,10 +14,11 @@ import dataclasses
 import functools
 import math
 import typing
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, Iterator
 
 from adaptive.errors import AdaptiveError, closest
+from adaptive.record import record
 
 FIT, LAUNCH, TRAIN, MEASURE, COMPARE = "fit", "launch", "train", "measure", "compare"  # the commands
 PLANNING = frozenset({FIT, LAUNCH, TRAIN})  # the planner's inputs: every command takes them
@@ -28,7 +29,7 @@ WORLD = PLANNING | {COMPARE}  # the world and the run's length, which `adaptive 
 RUN = frozenset({LAUNCH, TRAIN})  # a training run's settings; launch hands them to the recipe
 
 
-@dataclass(frozen=True)
+@record
 class Flag:
     """How one field appears on the command line."""
 
@@ -53,7 +54,7 @@ def option(default: Any, *names: str, help: str, commands: frozenset[str], **rul
     return field(default=default, metadata={"flag": Flag(names=names, help=help, commands=commands, **rules)})
 
 
-@dataclass(frozen=True)
+@record
 class ModelOptions:
     """The model: preset or HF config, architecture, kernels."""
 
@@ -83,7 +84,7 @@ class ModelOptions:
              "transformers' Llama ops. Default: lean, plain for a config.json transformers' own class trains.")
 
 
-@dataclass(frozen=True)
+@record
 class HardwareOptions:
     """The GPUs: type, count, memory, price."""
 
@@ -107,7 +108,7 @@ class HardwareOptions:
                                help="Override the assumed MFU (0-1].")
 
 
-@dataclass(frozen=True)
+@record
 class DataOptions:
     """Sequence length and the training data."""
 
@@ -135,7 +136,7 @@ class DataOptions:
              "on a CPU, 2 on a GPU. Local files are tokenized once up front and need none. Keep it on --resume.")
 
 
-@dataclass(frozen=True)
+@record
 class ScheduleOptions:
     """How long the run is, and its global batch."""
 
@@ -148,7 +149,7 @@ class ScheduleOptions:
                                              help="Global batch in tokens (default by size).")
 
 
-@dataclass(frozen=True)
+@record
 class ParallelismOptions:
     """The DeepSpeed knobs the planner would otherwise choose."""
 
@@ -183,7 +184,7 @@ class ParallelismOptions:
              "values are planned (a run fills them in).")
 
 
-@dataclass(frozen=True)
+@record
 class CheckpointingOptions:
     """Activation checkpointing."""
 
@@ -195,7 +196,7 @@ class CheckpointingOptions:
              "a policy: every:N (every N-th block), mlp (each block recomputes its MLP half, keeps attention).")
 
 
-@dataclass(frozen=True)
+@record
 class OptimizerOptions:
     """The optimizer and its schedule."""
 
@@ -213,7 +214,7 @@ class OptimizerOptions:
     seed: int = option(0, "--seed", commands=RUN, minimum=0, help="Model init and data order.")
 
 
-@dataclass(frozen=True)
+@record
 class OrchestratorOptions:
     """The adaptive orchestrator."""
 
@@ -229,7 +230,7 @@ class OrchestratorOptions:
              "*Config dataclasses in adaptive/orchestrator/).")
 
 
-@dataclass(frozen=True)
+@record
 class OutputOptions:
     """The run folder, checkpoints, logs and trackers."""
 
@@ -275,7 +276,7 @@ PANELS = {  # section -> its --help panel
 }
 
 
-@dataclass(frozen=True)
+@record
 class RunConfig:
     """A run, as the user gave it: None means "the planner's choice" or "the default"."""
 

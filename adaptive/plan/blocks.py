@@ -7,12 +7,11 @@ experts; `mod`: every other block is routed; `hybrid`: both), so `block_type(arc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from adaptive.errors import AdaptiveError, closest
+from adaptive.record import record
 
 
-@dataclass(frozen=True)
+@record
 class BlockType:
     """One decoder block type and what it has."""
 

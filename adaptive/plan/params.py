@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 from adaptive.plan.blocks import block_type
 from adaptive.plan.presets import ModelSpec
+from adaptive.record import record
 
 
-@dataclass(frozen=True)
+@record
 class ParamCounts:
     """Parameter counts of one model."""
 

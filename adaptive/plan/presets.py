@@ -8,17 +8,18 @@ classes build (`AdaptiveConfig.from_preset` reads the same `ModelSpec`).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from functools import cached_property
 
 from adaptive.errors import AdaptiveError, unknown
 from adaptive.plan.blocks import BLOCK_TYPES, block_type
+from adaptive.record import record
 
 ARCHS = ("dense", "moe", "mod", "hybrid")
 LAYER_TYPES = tuple(BLOCK_TYPES)  # the registry in blocks.py
 
 
-@dataclass(frozen=True)
+@record
 class Shape:
     """A dense Llama-style decoder shape. Field names follow transformers' LlamaConfig."""
 
@@ -72,7 +73,7 @@ DEFAULT_MOD_CAPACITY = 0.5
 DEFAULT_MOD_LAYER_FREQ = 2
 
 
-@dataclass(frozen=True)
+@record
 class ModelSpec:
     """Everything needed to count, plan and build one model. Field names follow transformers."""
 
