@@ -301,9 +301,7 @@ class RunConfig:
                 by_section.setdefault(section, {})[f.name] = value
         unknown = set(values) - {f.name for _, f, _ in run_fields()}
         assert not unknown, f"not run options: {sorted(unknown)}"
-        sections = {f.name: f.type for f in dataclasses.fields(cls)}
-        hints = typing.get_type_hints(cls)
-        return cls(**{name: hints[name](**by_section.get(name, {})) for name in sections})
+        return cls(**{name: kind(**by_section.get(name, {})) for name, kind in _sections().items()})
 
     def flat(self) -> dict[str, Any]:
         """Field name -> value, over every section."""
@@ -319,11 +317,17 @@ def run_fields() -> Iterator[tuple[str, dataclasses.Field, Flag]]:
     return iter(_run_fields())
 
 
+@functools.cache
+def _sections() -> dict[str, type]:
+    """RunConfig's sections: field name -> dataclass (its annotations are strings, resolved here once)."""
+    hints = typing.get_type_hints(RunConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig)}
+
+
 @functools.cache  # a command asks several times (parsing, validating, building the config): built once
 def _run_fields() -> tuple[tuple[str, dataclasses.Field, Flag], ...]:
-    hints = typing.get_type_hints(RunConfig)
-    return tuple((section.name, f, dataclasses.replace(f.metadata["flag"], panel=PANELS[section.name]))
-                 for section in dataclasses.fields(RunConfig) for f in dataclasses.fields(hints[section.name]))
+    return tuple((name, f, dataclasses.replace(f.metadata["flag"], panel=PANELS[name]))
+                 for name, kind in _sections().items() for f in dataclasses.fields(kind))
 
 
 def check(flag: Flag, value: Any) -> None:
