@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,7 +10,6 @@ import typer
 from adaptive.config import FIT, RunConfig
 from adaptive.config.commandline import with_run_options
 from adaptive.plan import fit as plan_fit
-from adaptive.plan.emit import plan_dict, write_plan_files
 from adaptive.plan.request import request_from_config
 
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
@@ -28,8 +26,16 @@ def fit(
 ) -> None:
     """Plan a DeepSpeed training run: ZeRO, offload, micro-batch, accumulation, checkpointing, cost."""
     plan = plan_fit(request_from_config(config, calibrate=calibrate))
-    files = write_plan_files(plan, out) if out else None
+    files = None
+    if out:
+        from adaptive.plan.emit import write_plan_files  # the writers and json only where asked for
+
+        files = write_plan_files(plan, out)
     if json_output:
+        import json
+
+        from adaptive.plan.emit import plan_dict
+
         print(json.dumps(plan_dict(plan), indent=2))
     else:
         from cli import render  # rich is imported only for tables; --json does not need it

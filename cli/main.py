@@ -7,12 +7,14 @@ unknown command get the whole app.
 
 from __future__ import annotations
 
+import gc
 import importlib
+import os
 import sys
+from typing import TYPE_CHECKING
 
-import typer
-
-from adaptive.config.commandline import run_command
+if TYPE_CHECKING:  # imported when the app is built, after main() has set the process up
+    import typer
 
 HELP = "Plan, build and train dense, MoE, MoD and hybrid LMs with DeepSpeed on the GPUs you have."
 # name -> (module, function, typer's command settings), in --help order
@@ -31,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str, dict]] = {
 
 def build_app(names: list[str] | None = None) -> typer.Typer:
     """The app with the commands `names` (default: all of them)."""
+    import typer
+
     app = typer.Typer(name="adaptive", help=HELP, no_args_is_help=True, pretty_exceptions_enable=False,
                       add_completion=False)
     for name in names or COMMANDS:
@@ -49,13 +53,28 @@ def __getattr__(name: str) -> typer.Typer:
 
 def run(argv: list[str] | None = None) -> int:
     """Run the CLI; bad input is one line on stderr and exit code 2, never a traceback."""
+    from adaptive.config.commandline import run_command
+
     args = sys.argv[1:] if argv is None else list(argv)
     app = build_app([args[0]] if args and args[0] in COMMANDS else None)
     return run_command(app, args, "adaptive")
 
 
 def main() -> None:
-    sys.exit(run())
+    if sys.argv[1:2] != ["fit"]:
+        sys.exit(run())
+    # A plan is a short-lived process that leaves little garbage: the cyclic collector would only rescan the
+    # objects of the modules it imports, again and again, and the interpreter's teardown would free them one by
+    # one (together ~8% of its instructions, docs/BENCHMARKS.md). fit's files are closed when written; once its
+    # output is flushed, it exits at once.
+    gc.disable()
+    code = run()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except OSError:  # a closed pipe: let the interpreter report it, as it would have
+        sys.exit(code)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -82,14 +83,44 @@ def zeropp(s) -> str:
     return ", ".join(k for k, used in on if used)
 
 
+_MAYBE_EMOJI = re.compile(r":\S*:").search  # what every match of rich's emoji pattern contains
+
+
+def _strings(renderable: object):
+    """The str objects rich renders from `renderable` through markup (a Text is rendered as it is)."""
+    if isinstance(renderable, str):
+        yield renderable
+    elif isinstance(renderable, Table):
+        yield from (x for x in (renderable.title, renderable.caption) if isinstance(x, str))
+        for column in renderable.columns:
+            yield from (x for x in (column.header, column.footer, *column.cells) if isinstance(x, str))
+
+
+def _print_all(shown: list[tuple[object, dict]]) -> None:
+    """Print what plan() built. rich replaces emoji codes (":name:", no space inside) in every string it renders,
+    importing its emoji table (~5 ms) for the first; where no string could hold one, replacing is turned off:
+    the same bytes, sooner."""
+    console._emoji = any(_MAYBE_EMOJI(s) for renderable, _ in shown for s in _strings(renderable))
+    try:
+        for renderable, kwargs in shown:
+            console.print(renderable, **kwargs)
+    finally:
+        console._emoji = True
+
+
 def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
+    shown: list[tuple[object, dict]] = []  # printed at the end, in one go (_print_all)
+
+    def out(renderable: object, **kwargs: object) -> None:
+        shown.append((renderable, kwargs))
+
     req, c = p.request, p.shown
     s, t = c.setup, c.throughput
     spec = req.spec
     verdict = Text("FITS", style="bold green") if p.fits else Text("DOES NOT FIT", style="bold red")
     title = Text.assemble(f"{spec.name} {spec.arch} on {req.world_size} x {req.gpu.name}: ", verdict)
-    console.print(title)
-    console.print(f"{human(p.counts.total)} params ({human(p.counts.active)} active), "
+    out(title)
+    out(f"{human(p.counts.total)} params ({human(p.counts.active)} active), "
                   f"{'bf16' if req.gpu.bf16 else 'fp16'}, {req.gpu.memory_gib:.1f} GiB per GPU; "
                   f"{p.searched} configurations searched")
 
@@ -111,7 +142,7 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
                        ("ZeRO++", zeropp(s), s.zero_hpz > 1 or s.zero_quantized_weights or s.zero_quantized_gradients)):
         if used:
             knobs.add_row(k, str(v))
-    console.print(knobs)
+    out(knobs)
 
     cap = req.gpu.memory_bytes
     mem = Table(title=f"Predicted memory per GPU: {gib(c.memory.peak_gpu_bytes)} of {gib(cap)}",
@@ -131,28 +162,28 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
             mem.add_row(PART_LABELS.get(part, part), when, f"{value / GiB:,.2f}", bar(value, cap))
     mem.add_row(Text("peak", style="bold"), m.peak_phase.replace("_", " "), f"{m.peak_gpu_bytes / GiB:,.2f}",
                 bar(m.peak_gpu_bytes, cap))
-    console.print(mem)
-    console.print(f"peak = whole step {gib(m.persistent_bytes)} + max(backward {gib(m.backward_bytes)}, "
+    out(mem)
+    out(f"peak = whole step {gib(m.persistent_bytes)} + max(backward {gib(m.backward_bytes)}, "
                   f"optimizer step {gib(m.step_bytes)}) + allowances")
     if p.tight:
-        console.print(f"[yellow]Tight:[/yellow] the peak is within {p.tight_margin:.0%} of capacity (the largest "
+        out(f"[yellow]Tight:[/yellow] the peak is within {p.tight_margin:.0%} of capacity (the largest "
                       f"peak under-prediction on published runs of this stack); decided by "
                       f"{PART_LABELS.get(p.tight_part, p.tight_part)} ({gib(m.parts[p.tight_part])})")
     if req.ds_config is not None:
         from adaptive.plan.ds_config_input import drivers
 
         for part, n, why in drivers(req.ds_config, m.parts, s.zero_stage):
-            console.print(f"{req.ds_config.path}: {PART_LABELS.get(part, part)} {gib(n)} <- {why}", soft_wrap=True)
+            out(f"{req.ds_config.path}: {PART_LABELS.get(part, part)} {gib(n)} <- {why}", soft_wrap=True)
         for key in req.ds_config.ignored:
-            console.print(f"{req.ds_config.path}: not modelled: {key}", soft_wrap=True)
+            out(f"{req.ds_config.path}: not modelled: {key}", soft_wrap=True)
     if req.calibration_source:  # what --calibrate changed, in one line, then each figure with its source
         what = ", ".join(note.split(" (")[0] for note in req.calibrated)
-        console.print(f"Calibrated with {req.calibration_source}: {what}", soft_wrap=True)
+        out(f"Calibrated with {req.calibration_source}: {what}", soft_wrap=True)
     for note in req.calibrated:
-        console.print(f"Calibrated: {note}", soft_wrap=True)
+        out(f"Calibrated: {note}", soft_wrap=True)
     if c.memory.host_bytes_per_node:
         ok = "within" if c.fits_host else "[red]more than[/red]"
-        console.print(f"Host RAM for offload: {gib(c.memory.host_bytes_per_node)} per node "
+        out(f"Host RAM for offload: {gib(c.memory.host_bytes_per_node)} per node "
                       f"({ok} the {gib(p.host_mem_bytes)} available; --host-mem)")
 
     speed = Table(title="Speed, time and cost (estimated)", box=box.SIMPLE_HEAD, show_header=False)
@@ -172,7 +203,7 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
     speed.add_row("time", duration(p.hours))
     speed.add_row("cost", f"${p.cost:,.2f} at ${req.gpu.price_per_hour:.2f}/GPU-hour "
                   f"(${p.cost / p.train_tokens * 1e9:,.2f} per 1B tokens)")
-    console.print(speed)
+    out(speed)
 
     lad = Table(title="OOM playbook with our numbers (micro-batch 1)", box=box.SIMPLE_HEAD)
     lad.add_column("step")
@@ -181,22 +212,23 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
     for step in p.ladder:
         verdict = "yes" if step.fits else "no (host RAM)" if step.fits_gpu else "no"
         lad.add_row(step.change, gib(step.peak_gpu_bytes), Text(verdict, style="" if step.fits else "red"))
-    console.print(lad)
+    out(lad)
 
     o = p.orchestrator
-    console.print(f"Orchestrator: {'[green]on[/green]' if o.recommended else 'off'} ({o.reason}); {o.overhead}")
+    out(f"Orchestrator: {'[green]on[/green]' if o.recommended else 'off'} ({o.reason}); {o.overhead}")
     if p.suggestions:
-        console.print("[bold]What would fit:[/bold]")
+        out("[bold]What would fit:[/bold]")
         for sug in p.suggestions:
-            console.print(f"  - {sug}")
+            out(f"  - {sug}")
     if files:
-        console.print("Wrote " + ", ".join(str(f) for f in files.values()), soft_wrap=True)
+        out("Wrote " + ", ".join(str(f) for f in files.values()), soft_wrap=True)
     if files and not p.fits:
-        console.print("Nothing fits, so only plan.json (the closest configuration and what would fit): no DeepSpeed "
+        out("Nothing fits, so only plan.json (the closest configuration and what would fit): no DeepSpeed "
                       "or accelerate config to launch a run that would not fit.")
     elif files:
-        console.print(f"Launch: accelerate launch --config_file {files['accelerate_config']} recipes/<recipe>.py "
+        out(f"Launch: accelerate launch --config_file {files['accelerate_config']} recipes/<recipe>.py "
                       f"--ds-config {files['ds_config']}", soft_wrap=True)  # one line, to copy
+    _print_all(shown)
 
 
 def measure_report(report, files: dict | None = None) -> None:

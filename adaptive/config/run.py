@@ -14,10 +14,11 @@ import dataclasses
 import functools
 import math
 import typing
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, Iterator
 
 from adaptive.errors import AdaptiveError, closest
+from adaptive.record import record
 
 FIT, LAUNCH, TRAIN, MEASURE, COMPARE = "fit", "launch", "train", "measure", "compare"  # the commands
 PLANNING = frozenset({FIT, LAUNCH, TRAIN})  # the planner's inputs: every command takes them
@@ -28,7 +29,7 @@ WORLD = PLANNING | {COMPARE}  # the world and the run's length, which `adaptive 
 RUN = frozenset({LAUNCH, TRAIN})  # a training run's settings; launch hands them to the recipe
 
 
-@dataclass(frozen=True)
+@record
 class Flag:
     """How one field appears on the command line."""
 
@@ -53,8 +54,10 @@ def option(default: Any, *names: str, help: str, commands: frozenset[str], **rul
     return field(default=default, metadata={"flag": Flag(names=names, help=help, commands=commands, **rules)})
 
 
-@dataclass(frozen=True)
+@record
 class ModelOptions:
+    """The model: preset or HF config, architecture, kernels."""
+
     name: str | None = option(
         None, "--model", "-m", commands=SHAPE,
         help="Preset (debug, debug_200m, b1, b7, b14, b30, b70) or a path to an HF config.json; default: b7 "
@@ -81,8 +84,10 @@ class ModelOptions:
              "transformers' Llama ops. Default: lean, plain for a config.json transformers' own class trains.")
 
 
-@dataclass(frozen=True)
+@record
 class HardwareOptions:
+    """The GPUs: type, count, memory, price."""
+
     gpu: str | None = option(
         None, "--gpu", "-g", commands=SHAPE,
         help="GPU name or alias (see `adaptive gpus`); a run without it detects its GPU, or trains on the CPU.")
@@ -103,8 +108,10 @@ class HardwareOptions:
                                help="Override the assumed MFU (0-1].")
 
 
-@dataclass(frozen=True)
+@record
 class DataOptions:
+    """Sequence length and the training data."""
+
     seq_len: int | None = option(
         None, "--seq-len", commands=SHAPE | {COMPARE}, minimum=1,
         help="Sequence length (default 2048; 128 for a run on a CPU). A run's data are blocks of it: keep it "
@@ -129,8 +136,10 @@ class DataOptions:
              "on a CPU, 2 on a GPU. Local files are tokenized once up front and need none. Keep it on --resume.")
 
 
-@dataclass(frozen=True)
+@record
 class ScheduleOptions:
+    """How long the run is, and its global batch."""
+
     tokens: float | None = option(
         None, "--tokens", commands=WORLD, above=0.0,
         help="Training tokens (default 20 x active params; 100 steps for a run on a CPU).")
@@ -140,8 +149,10 @@ class ScheduleOptions:
                                              help="Global batch in tokens (default by size).")
 
 
-@dataclass(frozen=True)
+@record
 class ParallelismOptions:
+    """The DeepSpeed knobs the planner would otherwise choose."""
+
     zero: int | None = option(None, "--zero", commands=SHAPE, minimum=0, maximum=3,
                               help="Pin the ZeRO stage (0-3).")
     offload: str | None = option(None, "--offload", commands=PLANNING, choices=("none", "optimizer", "all"),
@@ -173,8 +184,10 @@ class ParallelismOptions:
              "values are planned (a run fills them in).")
 
 
-@dataclass(frozen=True)
+@record
 class CheckpointingOptions:
+    """Activation checkpointing."""
+
     gradient_checkpointing: bool | None = option(None, "--checkpointing", commands=SHAPE,
                                                  negative="--no-checkpointing", help="Pin activation checkpointing.")
     checkpoint_policy: str | None = option(
@@ -183,8 +196,10 @@ class CheckpointingOptions:
              "a policy: every:N (every N-th block), mlp (each block recomputes its MLP half, keeps attention).")
 
 
-@dataclass(frozen=True)
+@record
 class OptimizerOptions:
+    """The optimizer and its schedule."""
+
     optimizer: str | None = option(
         None, "--optimizer", commands=FIT_ONLY,
         help="Optimizer implementation: auto (fused AdamW, as adaptive runs), adamw_torch (foreach), "
@@ -199,8 +214,10 @@ class OptimizerOptions:
     seed: int = option(0, "--seed", commands=RUN, minimum=0, help="Model init and data order.")
 
 
-@dataclass(frozen=True)
+@record
 class OrchestratorOptions:
+    """The adaptive orchestrator."""
+
     orchestrator: str = option("auto", "--orchestrator", commands=RUN, choices=("on", "off", "auto"),
                                help="Adaptive orchestrator: auto follows the plan's recommendation.")
     orchestrator_policies: str | None = option(
@@ -213,8 +230,10 @@ class OrchestratorOptions:
              "*Config dataclasses in adaptive/orchestrator/).")
 
 
-@dataclass(frozen=True)
+@record
 class OutputOptions:
+    """The run folder, checkpoints, logs and trackers."""
+
     output_dir: str | None = option(
         None, "--output-dir", "--run-dir", commands=RUN,
         help="Run folder: configs, metrics.jsonl, checkpoints/, hf/ (default runs/PRESET_ARCH).")
@@ -257,7 +276,7 @@ PANELS = {  # section -> its --help panel
 }
 
 
-@dataclass(frozen=True)
+@record
 class RunConfig:
     """A run, as the user gave it: None means "the planner's choice" or "the default"."""
 
@@ -282,9 +301,7 @@ class RunConfig:
                 by_section.setdefault(section, {})[f.name] = value
         unknown = set(values) - {f.name for _, f, _ in run_fields()}
         assert not unknown, f"not run options: {sorted(unknown)}"
-        sections = {f.name: f.type for f in dataclasses.fields(cls)}
-        hints = typing.get_type_hints(cls)
-        return cls(**{name: hints[name](**by_section.get(name, {})) for name in sections})
+        return cls(**{name: kind(**by_section.get(name, {})) for name, kind in _sections().items()})
 
     def flat(self) -> dict[str, Any]:
         """Field name -> value, over every section."""
@@ -300,11 +317,17 @@ def run_fields() -> Iterator[tuple[str, dataclasses.Field, Flag]]:
     return iter(_run_fields())
 
 
+@functools.cache
+def _sections() -> dict[str, type]:
+    """RunConfig's sections: field name -> dataclass (its annotations are strings, resolved here once)."""
+    hints = typing.get_type_hints(RunConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig)}
+
+
 @functools.cache  # a command asks several times (parsing, validating, building the config): built once
 def _run_fields() -> tuple[tuple[str, dataclasses.Field, Flag], ...]:
-    hints = typing.get_type_hints(RunConfig)
-    return tuple((section.name, f, dataclasses.replace(f.metadata["flag"], panel=PANELS[section.name]))
-                 for section in dataclasses.fields(RunConfig) for f in dataclasses.fields(hints[section.name]))
+    return tuple((name, f, dataclasses.replace(f.metadata["flag"], panel=PANELS[name]))
+                 for name, kind in _sections().items() for f in dataclasses.fields(kind))
 
 
 def check(flag: Flag, value: Any) -> None:

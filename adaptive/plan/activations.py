@@ -104,6 +104,7 @@ def mod_selected(s: ModelSpec, seq_len: int) -> int:
     return math.ceil(s.mod_capacity * seq_len)
 
 
+@lru_cache(maxsize=4096)  # a model's layers are mostly of one type: its sums ask for the same layer again and again
 def layer_bytes(s: ModelSpec, layer_type: str, seq_len: int, micro_batch: int, capacity_factor: float,
                 kernels: str = "lean") -> float:
     """Saved bytes of one layer for a micro-batch, without checkpointing."""

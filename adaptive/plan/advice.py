@@ -9,10 +9,9 @@ overhead (docs/BENCHMARKS.md, bench/bench_orchestrator.py) is far below the clai
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from adaptive.plan.params import ParamCounts
 from adaptive.plan.presets import ModelSpec
+from adaptive.record import record
 
 LONG_RUN_HOURS = 7 * 24
 LARGE_MODEL_PARAMS = 70e9
@@ -33,8 +32,10 @@ MEASURED_OVERHEAD_MEMORY_BYTES = 512 * 1024
 OVERHEAD_SOURCE = "docs/BENCHMARKS.md (bench/bench_orchestrator.py)"
 
 
-@dataclass(frozen=True)
+@record
 class OrchestratorAdvice:
+    """Whether to run the orchestrator, why, and what it costs."""
+
     recommended: bool
     reason: str
     overhead_time_fraction: float = MEASURED_OVERHEAD_TIME_FRACTION

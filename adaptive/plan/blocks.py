@@ -7,13 +7,14 @@ experts; `mod`: every other block is routed; `hybrid`: both), so `block_type(arc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from adaptive.errors import AdaptiveError, closest
+from adaptive.record import record
 
 
-@dataclass(frozen=True)
+@record
 class BlockType:
+    """One decoder block type and what it has."""
+
     name: str
     has_experts: bool  # its MLP is a mixture of experts (DeepSpeed MoE or the native block)
     routed: bool  # a Mixture-of-Depths router picks the tokens the block processes

@@ -8,17 +8,19 @@ hour in 2026; they vary by provider, so `--price` overrides them.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from adaptive.errors import AdaptiveError, closest, require_positive
 from adaptive.plan.hardware import A100_HFU_SOURCE, DEFAULT_FIGURES, H100_HFU_SOURCE, ClassFigures
+from adaptive.record import record
 
 GiB = 2**30
 MiB = 2**20
 
 
-@dataclass(frozen=True)
+@record
 class GPU:
+    """One GPU type: memory, peak 16-bit FLOP/s, links and price."""
+
     name: str
     memory_bytes: int
     peak_tflops: float  # dense 16-bit tensor-core TFLOP/s (bf16, or fp16 where there is no bf16)

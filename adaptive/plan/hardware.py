@@ -17,13 +17,15 @@ Each catalog row in gpus.py carries its `ClassFigures`; this module defines them
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from adaptive.record import record
 
 NCCL_BUS_EFFICIENCY = 0.8
 
 
-@dataclass(frozen=True)
+@record
 class ClassFigures:
+    """Assumed figures for one GPU class, each with its source."""
+
     hfu: float
     hfu_source: str
     intra_node_source: str

@@ -5,7 +5,6 @@ Pure JSON reading, so users can fit their own models offline without torch or tr
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,6 +25,8 @@ def looks_like_path(model: str) -> bool:
 
 def read_config_json(path: str | Path) -> dict:
     """The parsed JSON object of a config file (or of `config.json` inside a folder)."""
+    import json  # only where a file is read: a preset's plan needs no json
+
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"

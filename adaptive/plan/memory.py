@@ -8,7 +8,7 @@ our blocks (see activations.py). Everything else is a stated allowance.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from adaptive.errors import AdaptiveError
@@ -23,6 +23,7 @@ from adaptive.plan.optimizers import step_transient_bytes
 from adaptive.plan.parallel import tp_activation_factor, tp_sharded_params
 from adaptive.plan.params import ParamCounts, count_params
 from adaptive.plan.presets import ModelSpec
+from adaptive.record import record
 
 if TYPE_CHECKING:  # `adaptive fit` without --calibrate does not import it
     from adaptive.plan.calibration import Calibration
@@ -43,7 +44,7 @@ STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
 HOST_BUFFER_FACTOR = 1.5
 
 
-@dataclass(frozen=True)
+@record
 class TrainSetup:
     """One candidate configuration, as the memory and throughput models see it."""
 
@@ -107,7 +108,7 @@ class TrainSetup:
         return self.seq_len * self.micro_batch_size
 
 
-@dataclass(frozen=True)
+@record
 class MemoryEstimate:
     """Every part at its full size, and the peak, which counts only parts that coexist.
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 from adaptive.plan.blocks import block_type
 from adaptive.plan.presets import ModelSpec
+from adaptive.record import record
 
 
-@dataclass(frozen=True)
+@record
 class ParamCounts:
+    """Parameter counts of one model."""
+
     total: int
     active: int  # per token: non-expert params + top-k experts (+ shared expert)
     expert: int  # params inside routed experts (split by ep_size)

@@ -6,7 +6,7 @@ Pure functions over frozen dataclasses. `fit(request) -> Plan`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING
 
@@ -20,6 +20,7 @@ from adaptive.plan.params import ParamCounts, count_params
 from adaptive.plan.presets import PRESETS, ModelSpec, spec_from_shape
 from adaptive.plan.tight import TIGHT_MARGIN, deciding_part, is_tight
 from adaptive.plan.throughput import Throughput, cost_usd, estimate_throughput, train_hours
+from adaptive.record import record
 
 if TYPE_CHECKING:  # a plain `adaptive fit` imports neither
     from adaptive.plan.calibration import Calibration
@@ -31,7 +32,7 @@ MAX_MICRO_BATCH = 64
 HOST_MEM_PER_GPU_MEM = 3
 
 
-@dataclass(frozen=True)
+@record
 class FitRequest:
     """What the user asked for. None means "let the planner choose"."""
 
@@ -75,8 +76,10 @@ class FitRequest:
         return self.gpus_per_node * self.num_nodes
 
 
-@dataclass(frozen=True)
+@record
 class Candidate:
+    """One configuration the search evaluated, and whether it fits."""
+
     setup: TrainSetup
     memory: MemoryEstimate
     fits_gpu: bool
@@ -99,16 +102,20 @@ class Candidate:
         return self.fits_gpu and self.fits_host
 
 
-@dataclass(frozen=True)
+@record
 class LadderStep:
+    """One rung of the OOM playbook: the change and its peak."""
+
     change: str
     peak_gpu_bytes: int
     fits: bool
     fits_gpu: bool  # False with fits_gpu True means the offload needs more host RAM
 
 
-@dataclass(frozen=True)
+@record
 class Plan:
+    """What `fit` answers: the chosen (or closest) configuration and everything shown with it."""
+
     request: FitRequest
     counts: ParamCounts
     best: Candidate | None  # the chosen fitting plan, None when nothing fits

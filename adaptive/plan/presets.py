@@ -8,17 +8,18 @@ classes build (`AdaptiveConfig.from_preset` reads the same `ModelSpec`).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, fields
 from functools import cached_property
 
 from adaptive.errors import AdaptiveError, unknown
 from adaptive.plan.blocks import BLOCK_TYPES, block_type
+from adaptive.record import record
 
 ARCHS = ("dense", "moe", "mod", "hybrid")
 LAYER_TYPES = tuple(BLOCK_TYPES)  # the registry in blocks.py
 
 
-@dataclass(frozen=True)
+@record
 class Shape:
     """A dense Llama-style decoder shape. Field names follow transformers' LlamaConfig."""
 
@@ -72,7 +73,7 @@ DEFAULT_MOD_CAPACITY = 0.5
 DEFAULT_MOD_LAYER_FREQ = 2
 
 
-@dataclass(frozen=True)
+@record
 class ModelSpec:
     """Everything needed to count, plan and build one model. Field names follow transformers."""
 
@@ -103,6 +104,18 @@ class ModelSpec:
     # Where the shape came from: "preset" or "hf:<model_type>"
     source: str = "preset"
     nominal_params: float | None = None
+
+    def __hash__(self) -> int:
+        """The dataclass's hash (of the fields' tuple, layer_types and all), computed once: the planner's caches
+        hash the spec of every candidate several times."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash(tuple(getattr(self, f.name) for f in fields(self)))
+        return h
+
+    def __getstate__(self) -> dict:
+        # a string's hash differs between processes: a pickled spec computes its own
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     @cached_property  # the planner asks thousands of times per fit
     def is_moe(self) -> bool:

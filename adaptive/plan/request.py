@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -108,6 +107,8 @@ def load_run(run_dir: str) -> RunMeasurement:
     """The measurements in RUN_DIR/metrics.jsonl; AdaptiveError when missing or malformed."""
     from adaptive.plan.run_calibration import METRICS_FILE as RUN_METRICS_FILE
     from adaptive.plan.run_calibration import parse_records as parse_run_records
+
+    import json  # only where a file is read: a preset's plan needs no json
 
     path = Path(run_dir) / RUN_METRICS_FILE
     try:

@@ -16,7 +16,6 @@ side of offload.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import lru_cache
 
 from adaptive.plan.gpus import GPU
@@ -27,6 +26,7 @@ from adaptive.plan.parallel import (QGZ_BYTES_PER_PARAM, QWZ_BYTES_PER_PARAM, ex
                                     sp_alltoall_bytes_per_layer, tp_allreduce_bytes_per_layer, tp_sharded_params)
 from adaptive.plan.params import count_params, expert_params, layer_params, mod_router_params
 from adaptive.plan.presets import ModelSpec
+from adaptive.record import record
 
 # Stated assumptions (each one is printed with the plan in the JSON `assumptions` block).
 HOST_LINK_GBPS = 20.0  # effective PCIe bandwidth for offload copies (pinned memory)
@@ -37,8 +37,10 @@ CPU_ADAM_PARAMS_PER_S = 0.34e9
 PARAM_OFFLOAD_EFFICIENCY = 0.5  # ZeRO-Infinity parameter fetches stall the forward pass
 
 
-@dataclass(frozen=True)
+@record
 class Throughput:
+    """A candidate's estimated speed, step time by part, and MFU."""
+
     model_flops_per_token: float  # 6·N_active(matmul params) + attention, MoD-scaled
     hardware_flops_per_token: float  # + recompute under checkpointing, + padded MoE capacity slots
     utilisation: float  # hardware FLOPs utilisation the compute kernels reach (assumption, hardware.py)

@@ -24,15 +24,28 @@ def adaptive(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("json_output", [True, False])
 def test_fit_imports_no_torch_deepspeed_or_transformers(json_output):
-    """Nor, with --json, rich (tables only), nor the other commands' modules (cli/main.py imports the one that runs)."""
+    """Nor, with --json, rich (tables only), nor the other commands' modules (cli/main.py imports the one that runs);
+    the tables need neither json nor rich's emoji table (no string shown holds an emoji code)."""
     args = ["fit", "--model", "b7", "--gpu", "a100-40gb", *(["--json"] if json_output else [])]
     not_imported = ("torch", "deepspeed", "transformers", "accelerate", "datasets", "cli.launch", "cli.measure",
-                    *(("rich",) if json_output else ()))
+                    *(("rich",) if json_output else ("json", "rich._emoji_codes")))
     code = (f"import sys; from cli.main import run; rc = run({args!r});"
             f"heavy = [m for m in {not_imported!r} if m in sys.modules];"
             "print('HEAVY', heavy, rc, file=sys.stderr)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=60)
     assert "HEAVY [] 1" in r.stderr, r.stderr  # b7 dense does not fit one A100-40GB with default host RAM
+
+
+def test_fit_tables_keep_rich_emoji_codes_where_a_string_holds_one(tmp_path):
+    """rich replaces ":name:" codes in what it prints; render skips that only where no string could hold one, so a
+    path that holds one prints as it did before (cli/render.py _print_all)."""
+    folder = tmp_path / "x:thumbs_up:y"
+    folder.mkdir()
+    (folder / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto",
+                                                "zero_optimization": {"stage": 2}}))
+    r = adaptive("fit", "--model", "b1", "--gpu", "a100-80gb", "--ds-config", str(folder / "ds.json"))
+    assert r.returncode == 0, r.stderr
+    assert "x\N{THUMBS UP SIGN}y" in r.stdout and ":thumbs_up:" not in r.stdout
 
 
 def test_fit_json_has_the_documented_schema_and_consistent_numbers():
