@@ -146,17 +146,17 @@ class ExpertsSwiGLUDownFunction(torch.autograd.Function):
         silu = F.silu(gate)
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            product = silu * up
-            grad_weight = experts_weight_grad(grad, product, counts, grouped_mm)
-            del product
+            grad_weight = experts_weight_grad(grad, silu * up, counts, grouped_mm)  # the product, freed here
         grad_gate_up = None
         if ctx.needs_input_grad[0]:
             grad_product = experts_matmul(grad, weight, counts, grouped_mm)
-            # `_swiglu_input_grads` written into the two halves: no concatenation copy (plain's chunk backward has one)
+            # `_swiglu_input_grads` written into the two halves: no concatenation copy (plain's chunk backward has
+            # one); grad_product * up goes into silu's buffer once grad_up has used it: no tensor allocated for it
             grad_gate_up = torch.empty_like(gate_up)
             grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
-            torch.ops.aten.silu_backward.grad_input(grad_product * up, gate, grad_input=grad_gate)
             torch.mul(grad_product, silu, out=grad_up)
+            grad_silu = torch.mul(grad_product, up, out=silu)
+            torch.ops.aten.silu_backward.grad_input(grad_silu, gate, grad_input=grad_gate)
         return grad_gate_up, grad_weight, None, None
 
 
