@@ -144,17 +144,22 @@ class ExpertsSwiGLUDownFunction(torch.autograd.Function):
         counts, grouped_mm = ctx.counts, ctx.grouped_mm
         gate, up = gate_up.chunk(2, dim=-1)
         silu = F.silu(gate)
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = experts_weight_grad(grad, silu * up, counts, grouped_mm)  # the product, freed here
-        grad_gate_up = None
+        # One [rows, I] buffer (silu's) serves in turn as silu, the product (for the weight gradient) and the
+        # product's gradient through up, so the working set is silu, grad_product and grad_gate_up (no new
+        # allocation per intermediate). `_swiglu_input_grads` is written into grad_gate_up's two halves: no
+        # concatenation copy (plain's chunk backward has one).
+        grad_gate_up = grad_product = None
         if ctx.needs_input_grad[0]:
             grad_product = experts_matmul(grad, weight, counts, grouped_mm)
-            # `_swiglu_input_grads` written into the two halves: no concatenation copy (plain's chunk backward has
-            # one); grad_product * up goes into silu's buffer once grad_up has used it: no tensor allocated for it
             grad_gate_up = torch.empty_like(gate_up)
             grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
             torch.mul(grad_product, silu, out=grad_up)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            product = silu.mul_(up) if grad_product is not None else silu * up  # silu itself is done with
+            grad_weight = experts_weight_grad(grad, product, counts, grouped_mm)
+            del product
+        if grad_product is not None:
             grad_silu = torch.mul(grad_product, up, out=silu)
             torch.ops.aten.silu_backward.grad_input(grad_silu, gate, grad_input=grad_gate)
         return grad_gate_up, grad_weight, None, None
