@@ -6,8 +6,9 @@
 
 Shape: hidden 256, 8 layers, GQA 8/2 heads, SwiGLU 2.75x, vocab 2048, batch 4 x seq 512. The ratios that
 matter are b1's: attention is ~20% of a layer's FLOPs at seq = hidden, the LM head ~6% of the model.
-Each step is forward + backward (loss.backward, grads zeroed), models interleaved, median of --repeats
-(3x that for the single MoE blocks).
+Each step is forward + backward (loss.backward, grads zeroed), models interleaved (each round starts one model
+later), median of --repeats (3x that for the single MoE blocks). The MoE block rows also print the median over
+rounds of the per-round ratio ("per round"), which a load change between rounds does not move.
 
 Prints:
 - MoD (capacity 0.125, every other block) vs dense; target <= 0.65x (ideal ~0.56x);
@@ -65,17 +66,25 @@ def block_step(block: torch.nn.Module, x: torch.Tensor) -> None:
 CLOCK = time.perf_counter  # --cpu-time: time.process_time, the CPU this process used (steadier on a shared machine)
 
 
-def time_interleaved(cases: dict, repeats: int) -> dict[str, float]:
-    """Median seconds per call; one warm-up each, then the cases take turns."""
+def time_interleaved(cases: dict, repeats: int, samples: dict | None = None) -> dict[str, float]:
+    """Median seconds per call; one warm-up each, then the cases take turns, each round starting one case later
+    (no case always runs first or right after the same one). `samples` (a dict) receives the per-round times."""
     for fn in cases.values():
         fn()
-    samples = {name: [] for name in cases}
-    for _ in range(repeats):
-        for name, fn in cases.items():
+    names = list(cases)
+    samples = {} if samples is None else samples
+    samples.update({name: [] for name in names})
+    for round_ in range(repeats):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
             start = CLOCK()
-            fn()
+            cases[name]()
             samples[name].append(CLOCK() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def paired_ratio(samples: dict, a: str, b: str) -> float:
+    """Median over rounds of a's time / b's in the same round: a load change between rounds cancels out."""
+    return statistics.median(x / y for x, y in zip(samples[a], samples[b]))
 
 
 def mixtral_twin(block) -> torch.nn.Module:
@@ -104,8 +113,11 @@ def moe_block_rows(x: torch.Tensor, repeats: int, experts: int, eager: bool = Tr
         diff = (ours(x)[0] - theirs(x[None])[0]).abs().max().item()
     assert diff < 1e-5, f"native MoE block and Mixtral block disagree by {diff} at {experts} experts"
     theirs.experts.config._experts_implementation = "grouped_mm"  # transformers' default for Mixtral models
+    samples = {}
     times = time_interleaved({"ours": lambda: block_step(ours, x), "ours_plain": lambda: block_step(plain, x),
-                              "mixtral_grouped_mm": lambda: block_step(theirs, x[None])}, repeats)
+                              "mixtral_grouped_mm": lambda: block_step(theirs, x[None])}, repeats, samples)
+    times["paired"] = paired_ratio(samples, "ours", "mixtral_grouped_mm")
+    times["paired_plain"] = paired_ratio(samples, "ours_plain", "mixtral_grouped_mm")
     theirs.experts.config._experts_implementation = "eager"
     times["mixtral_eager"] = float("nan")
     if eager:
@@ -188,6 +200,8 @@ def main() -> None:
             (f"our MoE block / Mixtral grouped_mm, {e} experts", t["ours"] / t["mixtral_grouped_mm"], "<= 1.0"),
             (f"our MoE block plain / Mixtral grouped_mm, {e} experts", t["ours_plain"] / t["mixtral_grouped_mm"],
              "<= 1.0"),
+            (f"our MoE block / Mixtral grouped_mm, {e} experts, per round", t["paired"], "<= 1.0"),
+            (f"our MoE block plain / Mixtral grouped_mm, {e} experts, per round", t["paired_plain"], "<= 1.0"),
             (f"our MoE block / Mixtral eager, {e} experts", t["ours"] / t["mixtral_eager"], "<= 1.0"),
         ]
     for name, ratio, target in rows:

@@ -143,20 +143,27 @@ class ExpertsSwiGLUDownFunction(torch.autograd.Function):
         gate_up, weight = ctx.saved_tensors
         counts, grouped_mm = ctx.counts, ctx.grouped_mm
         gate, up = gate_up.chunk(2, dim=-1)
-        silu = F.silu(gate)
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            product = silu * up
-            grad_weight = experts_weight_grad(grad, product, counts, grouped_mm)
-            del product
-        grad_gate_up = None
+        # The halves of grad_gate_up serve as scratch first: silu in grad_up's half, the product (for the weight
+        # gradient) in grad_gate's. So the working set is grad_gate_up and grad_product only, and no [rows, I]
+        # tensor is allocated per intermediate (on the CPU a fresh 10-100 MB buffer costs page faults comparable
+        # to the elementwise work). `_swiglu_input_grads` then runs in place: no concatenation copy (plain's chunk
+        # backward has one).
+        grad_gate_up = grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_product = experts_matmul(grad, weight, counts, grouped_mm)
-            # `_swiglu_input_grads` written into the two halves: no concatenation copy (plain's chunk backward has one)
             grad_gate_up = torch.empty_like(gate_up)
             grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
-            torch.ops.aten.silu_backward.grad_input(grad_product * up, gate, grad_input=grad_gate)
-            torch.mul(grad_product, silu, out=grad_up)
+            silu = torch.ops.aten.silu.out(gate, out=grad_up)
+        else:
+            silu = F.silu(gate)
+        if ctx.needs_input_grad[1]:
+            product = silu.mul_(up) if grad_gate_up is None else torch.mul(silu, up, out=grad_gate)
+            grad_weight = experts_weight_grad(grad, product, counts, grouped_mm)
+            del product
+        if grad_gate_up is not None:
+            grad_product = experts_matmul(grad, weight, counts, grouped_mm)
+            grad_up.mul_(grad_product)  # silu * grad_product
+            torch.mul(grad_product, up, out=grad_gate)
+            torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
         return grad_gate_up, grad_weight, None, None
 
 

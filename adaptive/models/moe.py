@@ -92,36 +92,46 @@ def route(
     """
     num_tokens, num_experts = logits.shape
     gates = logits.softmax(dim=-1)
-    scores = gates if sample_logits is None else sample_logits.softmax(dim=-1)
-    if selection_bias is not None:
-        scores = scores + selection_bias.float()
-    first = scores.argmax(dim=-1)
-    mask1 = _one_hot(first, num_experts, used)
-    choices, masks = [first], [mask1]
-    if k == 2:
-        second_scores = scores
-        if second_expert_noise:
-            noise = -torch.empty_like(logits).exponential_().log()  # Gumbel(0, 1)
-            second_scores = (logits + noise).softmax(dim=-1) + (0 if selection_bias is None else selection_bias)
-        second = second_scores.masked_fill(mask1.bool(), float("-inf")).argmax(dim=-1)
-        choices.append(second)
-        masks.append(_one_hot(second, num_experts, used))
-    experts = torch.stack(choices)  # [k, S]
+    with torch.no_grad():  # selection and counting need no gradient: argmax, sort and counts
+        scores = gates.detach() if sample_logits is None else sample_logits.softmax(dim=-1)
+        if selection_bias is not None:
+            scores = scores + selection_bias.float()
+        first = scores.argmax(dim=-1)
+        choices = [first]
+        if k == 2:
+            second_scores = scores
+            if second_expert_noise:
+                noise = -torch.empty_like(logits).exponential_().log()  # Gumbel(0, 1)
+                second_scores = (logits + noise).softmax(dim=-1) + (0 if selection_bias is None else selection_bias)
+            # the first choice is out (for unused tokens too: their routes are masked below whatever they pick)
+            choices.append(second_scores.scatter(1, first[:, None], float("-inf")).argmax(dim=-1))
+        experts = torch.stack(choices)  # [k, S]
 
-    first_counts = mask1.sum(dim=0)
-    expert_counts = sum(m.sum(dim=0) for m in masks).detach()
+        # Counts and slots without [S, E] one-hot masks: routes of unused tokens take the key E (counted apart).
+        key = experts if used is None else experts.masked_fill(~used, num_experts)
+        counts = torch.zeros(k, num_experts + 1, dtype=torch.long, device=logits.device)
+        counts.scatter_add_(1, key, torch.ones_like(key))
+        first_counts, expert_counts = counts[0, :num_experts], counts[:, :num_experts].sum(dim=0)
+        # Slot of each route in its expert's buffer: its rank among the expert's routes in the order first
+        # choices by token, then second choices by token (a stable sort of the flat [k * S] keys).
+        flat = key.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=order.device)
+        totals = counts.sum(dim=0)
+        locations = (rank - (torch.cumsum(totals, dim=0) - totals)[flat]).view(k, num_tokens)
+        ce = first_counts.float() / _count(used, num_tokens)  # the mean over tokens of the first choices' one-hot
+
     me = _token_mean(gates, used)
-    ce = _token_mean(mask1.float(), used)
     l_aux = (me * ce).mean() * num_experts * num_experts
-    z_loss = _token_mean(torch.logsumexp(logits, dim=-1).square(), used)
-    # per-token router entropy, normalised: 1 = a uniform gate, 0 = one-hot; O(S·E), no host sync
-    entropy = (_token_mean(torch.special.entr(gates.detach()).sum(dim=-1), used) / math.log(num_experts)).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    z_loss = _token_mean(lse.square(), used)
+    with torch.no_grad():
+        # per-token router entropy, normalised: 1 = a uniform gate, 0 = one-hot; O(S·E), no host sync.
+        # H = -sum p log p = logsumexp(logits) - sum p * logits: no log of p (0 where p underflows)
+        per_token = (lse - (gates * logits).sum(dim=-1)).clamp(min=0)
+        entropy = (_token_mean(per_token, used) / math.log(num_experts)).float()
 
-    # Slot of each route in its expert's buffer: token order, second choices after all first choices.
-    locations = torch.stack([
-        (torch.cumsum(m, dim=0) - 1 + (first_counts if i else 0)).gather(1, c[:, None]).squeeze(1)
-        for i, (m, c) in enumerate(zip(masks, choices))
-    ])
     if capacity_factor is None:
         capacity = expert_counts.max()
         if ep_group is not None and torch.distributed.get_world_size(ep_group) > 1:
@@ -139,11 +149,6 @@ def route(
     dropped = 1.0 - (kept.sum() / (k * _count(used, num_tokens))).float()
     stats = MoEStats(l_aux, z_loss, expert_counts, dropped, logits, entropy)
     return Routes(experts.masked_fill(~kept, -1), locations * kept, weights, capacity, stats)
-
-
-def _one_hot(choice: torch.Tensor, num_experts: int, used: torch.Tensor | None) -> torch.Tensor:
-    mask = F.one_hot(choice, num_experts)
-    return mask if used is None else mask * used[:, None]
 
 
 def _count(used: torch.Tensor | None, num_tokens: int):

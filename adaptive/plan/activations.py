@@ -208,10 +208,11 @@ def loss_working_bytes(s: ModelSpec, tokens: int, kernels: str = "lean") -> int:
 def moe_backward_bytes(s: ModelSpec, tokens: int, capacity_factor: float, kernels: str = "lean") -> float:
     """Working set of one MoE layer's backward, fitted to measurements of random shapes: gradients of
     the gathered tokens (2.8h per token) and of the dispatched capacity slots (5.6h per slot). Lean experts
-    rebuild silu(gate) beside the product's and gate_up's gradients: 5f more per slot (fitted: debug and
-    debug_200m MoE, seq 2048, micro-batch 8, where the backward sets the peak; 3.6f and 7.2f alone)."""
+    hold grad_gate_up and grad_product beside the saved gate_up (silu and the product are rebuilt inside
+    grad_gate_up's halves): 1.5f more per slot (fitted: debug_200m MoE and hybrid, seq 2048, micro-batch 8,
+    where the backward sets the peak; 3.2f and 0.2f alone. 5f before the rebuild moved into those halves)."""
     slots = s.num_local_experts * expert_capacity(tokens, s, capacity_factor)
-    lean = 5 * s.moe_intermediate_size if kernels == "lean" else 0
+    lean = 1.5 * s.moe_intermediate_size if kernels == "lean" else 0
     return 2.8 * tokens * s.hidden_size + (5.6 * s.hidden_size + lean) * slots
 
 
