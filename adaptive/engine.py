@@ -16,6 +16,8 @@ What the rest of the code asks of an engine:
 - MoE: the optimizer param groups DeepSpeed MoE needs, this rank's expert-parallel rank, and the
   all-to-all timers of `MOELayer`.
 - Ulysses sequence parallelism: the SP group DeepSpeed built, and its data adapter that shards a batch.
+- AutoTP with DeepSpeed MoE: the (data, tensor) mesh before the expert groups, the TP size the MoE layer sees,
+  a gloo-safe token gather, and AutoTP's shards gathered on every rank.
 """
 
 from __future__ import annotations
@@ -54,6 +56,13 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     ("deepspeed.runtime.sequence_parallel.ulysses_sp", "UlyssesSPDataLoaderAdapter", "__init__(sp_world_size)"),
     ("deepspeed.runtime.sequence_parallel.ulysses_sp", "UlyssesSPDataLoaderAdapter", "refill"),
     ("deepspeed.ops.op_builder.cpu.comm", "ShareMemCommBuilder", "absolute_name"),
+    ("deepspeed.utils.groups", "_init_tp_mesh_device", "tensor_model_parallel_size"),
+    ("deepspeed.utils.groups", "get_tensor_model_parallel_world_size", "__call__"),
+    ("deepspeed.utils.bwc", "bwc_tensor_model_parallel_world_size", "mpu"),
+    ("deepspeed.utils.bwc", "bwc_tensor_model_parallel_group", "mpu"),
+    ("deepspeed.moe.mappings", "_gather_tokens", "dim"),
+    ("deepspeed.moe.layer", "MoE", "__init__(enable_expert_tensor_parallelism)"),
+    ("deepspeed.module_inject.layers", "GatherReplacedLayerParams", "__init__(params)"),
 )
 
 # The classes, besides tensors and plain containers, that a DeepSpeed + accelerate checkpoint pickles
@@ -157,6 +166,69 @@ def ulysses_data_adapter(batches: Any, rank: int, group: Any, size: int, device:
     return UlyssesSPDataLoaderAdapter(batches, sp_rank=rank, sp_group=group, sp_world_size=size, device=device)
 
 
+# --- tensor parallelism (AutoTP) with DeepSpeed MoE -----------------------------------------------
+
+
+def use_tensor_parallel_mesh(tp_size: int) -> None:
+    """AutoTP's (data, tensor) mesh, before the expert groups are built on it. deepspeed.initialize makes the
+    same two calls (engine.py _configure_tensor_parallel_states, then `groups.mpu = self.mpu`) and finds the
+    mesh in place; expert groups built before them would ignore the TP ranks."""
+    from deepspeed.utils import groups
+
+    groups._init_tp_mesh_device(tensor_model_parallel_size=tp_size)
+    groups.mpu = groups
+
+
+def tensor_parallel_size() -> int:
+    """The TP size DeepSpeed's MoE layer sees (1 until AutoTP's mesh is registered as `groups.mpu`)."""
+    from deepspeed.utils import groups
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+
+    return bwc_tensor_model_parallel_world_size(groups.mpu)
+
+
+def _gather_tokens_gloo(input_: Any, dim: int = 0) -> Any:
+    """`deepspeed.moe.mappings._gather_tokens` with an output gloo takes. DeepSpeed hands
+    all_gather_into_tensor a flat buffer: NCCL accepts it, gloo refuses it ("ProcessGroupGloo::allgather:
+    invalid tensor size"). The same gather along dim 0, then laid out along `dim` as DeepSpeed does."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_group
+
+    world = tensor_parallel_size()
+    input_ = input_.contiguous()
+    if world == 1:
+        return input_
+    out = torch.empty((world * input_.shape[0], *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+    dist.all_gather_into_tensor(out, input_, group=bwc_tensor_model_parallel_group(groups.mpu))
+    return out if dim == 0 else torch.cat(out.chunk(world), dim=dim)
+
+
+def gather_tokens_for_gloo() -> None:
+    """Under gloo (CPU runs), MOELayer's tensor-parallel token gather goes through `_gather_tokens_gloo`;
+    NCCL runs DeepSpeed's own. Idempotent."""
+    import torch.distributed as dist
+    from deepspeed.moe import mappings
+
+    if dist.get_backend() == "gloo":
+        mappings._gather_tokens = _gather_tokens_gloo
+
+
+def tensor_parallel_state_dict(model: Any) -> dict[str, Any]:
+    """The model's state dict with AutoTP's shards gathered, on every rank of the TP group (a collective).
+    DeepSpeed's own (engine._replace_module_consolidated_state_dict) keeps it on global rank 0 only."""
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+    out = {key: value.detach().cpu() for key, value in model.state_dict().items()}  # buffers too
+    for prefix, module in model.named_modules():
+        params = [(name, p) for name, p in module.named_parameters(recurse=False) if p is not None]
+        with GatherReplacedLayerParams([p for _, p in params], module, enabled=True):
+            for name, p in params:
+                out[f"{prefix}.{name}" if prefix else name] = p.detach().cpu().clone()
+    return out
+
+
 # --- MoE ----------------------------------------------------------------------------------------
 
 
@@ -206,4 +278,5 @@ __all__ = ["A2A_TIMERS", "CHECKPOINT_CLASSES", "DEEPSPEED_VERSION_READ", "checkp
            "discard_gradients", "expert_parallel_rank",
            "moe_layers_with_timers", "moe_param_groups", "moe_timer_seconds", "reported_grad_norm",
            "reports_grad_norm", "sequence_parallel_group", "set_batch_sizes", "start_moe_timers", "stop_moe_timers",
-           "ulysses_data_adapter"]
+           "ulysses_data_adapter", "use_tensor_parallel_mesh", "tensor_parallel_size", "gather_tokens_for_gloo",
+           "tensor_parallel_state_dict"]

@@ -38,7 +38,8 @@ _SPEC_KNOBS = {
 
 
 # Tensor parallelism (transformers' tp_plan, which DeepSpeed's AutoTP training reads): Llama's plan for the
-# attention and the SwiGLU MLP. MoE experts, MoD routers and norms are not in it.
+# attention and the SwiGLU MLP, and the same for DeepSpeed-MoE's experts (expert tensor parallelism). The native
+# block's 3D experts, routers and norms are not in it.
 _ATTENTION_TP_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.k_proj": "colwise",

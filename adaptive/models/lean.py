@@ -146,8 +146,8 @@ class ExpertsSwiGLUDownFunction(torch.autograd.Function):
         # The halves of grad_gate_up serve as scratch first: silu in grad_up's half, the product (for the weight
         # gradient) in grad_gate's. So the working set is grad_gate_up and grad_product only, and no [rows, I]
         # tensor is allocated per intermediate (on the CPU a fresh 10-100 MB buffer costs page faults comparable
-        # to the elementwise work). `_swiglu_input_grads` then runs in place: no concatenation copy (plain's chunk
-        # backward has one).
+        # to the elementwise work). The input gradients (`_swiglu_input_grads`' math) are then written in place:
+        # no concatenation copy (plain's chunk backward has one).
         grad_gate_up = grad_weight = None
         if ctx.needs_input_grad[0]:
             grad_gate_up = torch.empty_like(gate_up)

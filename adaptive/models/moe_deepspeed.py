@@ -31,14 +31,12 @@ import re
 
 import torch
 import torch.distributed as dist
-from deepspeed.moe import mappings
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.sharded_moe import TopKGate
-from deepspeed.utils import groups
-from deepspeed.utils.bwc import bwc_tensor_model_parallel_group, bwc_tensor_model_parallel_world_size
 from torch import nn
 
-from adaptive.engine import expert_parallel_rank
+from adaptive.engine import (expert_parallel_rank, gather_tokens_for_gloo, tensor_parallel_size,
+                             use_tensor_parallel_mesh)
 from adaptive.errors import AdaptiveError
 from adaptive.models.moe import MoEStats, _init_gate_state, convert_on_load, gate_routes
 
@@ -65,7 +63,7 @@ class DeepSpeedGate(TopKGate):
         self.last_stats = routes.stats
         # Under tensor parallelism MOELayer splits each expert's buffer over the TP ranks (drop_tokens), so the
         # buffer's capacity must divide by tp: pad it with empty slots; which tokens are kept does not change
-        tp = bwc_tensor_model_parallel_world_size(groups.mpu)
+        tp = tensor_parallel_size()
         capacity = routes.capacity if tp == 1 else (routes.capacity + tp - 1) // tp * tp
         return (routes.stats.l_aux, capacity, self.num_experts, routes.experts.int(),
                 routes.locations.int(), routes.weights, routes.stats.expert_counts)
@@ -98,8 +96,7 @@ class DeepSpeedMoE(MoE):
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         # Idempotent: deepspeed.initialize calls this again after ensure_expert_parallel may have.
         if not self.expert_parallel_ready:
-            if dist.get_backend() == "gloo":  # CPU runs: DeepSpeed's tensor-parallel token gather fails there
-                mappings._gather_tokens = _gather_tokens_gloo
+            gather_tokens_for_gloo()  # CPU runs: DeepSpeed's tensor-parallel token gather fails under gloo
             super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
 
     def forward(self, hidden_states: torch.Tensor, used: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
@@ -127,27 +124,6 @@ def ensure_distributed(device: torch.device | None = None) -> None:
         # one process needs no rendezvous: an in-memory store (no TCP port to lose, no file left behind)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # wraps an existing group
-
-
-def _gather_tokens_gloo(input_: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """`deepspeed.moe.mappings._gather_tokens` with an output gloo takes. DeepSpeed hands
-    all_gather_into_tensor a flat buffer: NCCL accepts it, gloo refuses it ("ProcessGroupGloo::allgather:
-    invalid tensor size"). The same gather along dim 0, then laid out along `dim` as DeepSpeed does."""
-    world = bwc_tensor_model_parallel_world_size(groups.mpu)
-    input_ = input_.contiguous()
-    if world == 1:
-        return input_
-    out = torch.empty((world * input_.shape[0], *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
-    dist.all_gather_into_tensor(out, input_, group=bwc_tensor_model_parallel_group(groups.mpu))
-    return out if dim == 0 else torch.cat(out.chunk(world), dim=dim)
-
-
-def use_tensor_parallel_mesh(tp_size: int) -> None:
-    """AutoTP's (data, tensor) mesh, before the expert groups are built on it. deepspeed.initialize makes the
-    same two calls (engine.py _configure_tensor_parallel_states, then `groups.mpu = self.mpu`) and finds the
-    mesh in place; expert groups built before them would ignore the TP ranks."""
-    groups._init_tp_mesh_device(tensor_model_parallel_size=tp_size)
-    groups.mpu = groups
 
 
 def ensure_expert_parallel(model: nn.Module, tp_size: int = 1) -> None:

@@ -361,20 +361,6 @@ def load_checkpoint(accelerator: Any, path: Path, trusted: bool = False) -> None
 # HF export
 
 
-def tensor_parallel_state_dict(model: Any) -> dict[str, Any]:
-    """The model's state dict with AutoTP's shards gathered, on every rank of the TP group (a collective).
-    DeepSpeed's own (engine._replace_module_consolidated_state_dict) keeps it on global rank 0 only."""
-    from deepspeed.module_inject.layers import GatherReplacedLayerParams
-
-    out = {key: value.detach().cpu() for key, value in model.state_dict().items()}  # buffers too
-    for prefix, module in model.named_modules():
-        params = [(name, p) for name, p in module.named_parameters(recurse=False) if p is not None]
-        with GatherReplacedLayerParams([p for _, p in params], module, enabled=True):
-            for name, p in params:
-                out[f"{prefix}.{name}" if prefix else name] = p.detach().cpu().clone()
-    return out
-
-
 def export_hf(accelerator: Any, engine: Any, tokenizer: Any, target: Path, metadata: dict[str, Any],
               export_format: str = "auto") -> Path:
     """Write an HF model folder (safetensors, config, tokenizer) to `target`, atomically. All ranks call it.
@@ -398,6 +384,7 @@ def export_hf(accelerator: Any, engine: Any, tokenizer: Any, target: Path, metad
     if tensor_parallel and expert_parallel:
         # DeepSpeed's TP gather fills rank 0's dict only, which holds rank 0's experts alone: gather the
         # TP shards on every rank, then the experts over the expert-parallel group (collectives)
+        from adaptive.engine import tensor_parallel_state_dict
         from adaptive.models.moe_deepspeed import globalize_expert_state_dict
 
         state_dict = globalize_expert_state_dict(model, tensor_parallel_state_dict(model))
