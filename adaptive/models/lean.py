@@ -9,7 +9,7 @@ What autograd keeps per token, plain -> lean (h hidden, f SwiGLU width, V vocabu
 - RMSNorm: fp32 copy of x (4h), 1/rms (4), 16-bit cast (2h) -> x (2h) and 1/rms (4);
 - SwiGLU + down projection: gate, silu(gate), up, product (8f) -> gate and up (4f); the product is
   recomputed for the down projection's weight gradient. The MoE experts (3D weights, Mixtral's layout) do
-  the same per expert: their gate_up output (4f) is kept, not its halves' products (`ExpertsSwiGLUDownFunction`);
+  the same per expert: their gate and up (4f) are kept, not silu(gate) and the product (`ExpertsSwiGLUFunction`);
 - LM head + loss: the fp32 log-softmax over the vocabulary (4V), and in backward the fp32 logit
   gradients with their 16-bit cast (8V more) -> nothing V-wide kept; a tile of `loss_chunk_tokens`
   tokens' logits exists at a time, in forward and again (recomputed) in backward.
@@ -33,7 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaptive.models.grouped import experts_matmul, experts_weight_grad
+from adaptive.models.grouped import (
+    expert_rows,
+    expert_sums,
+    experts_matmul,
+    experts_matmul_sum,
+    experts_weight_grad,
+)
 from adaptive.plan.activations import loss_chunk_tokens
 
 IGNORE_INDEX = -100  # transformers' ignore index for labels
@@ -121,55 +127,77 @@ class SwiGLUDownFunction(torch.autograd.Function):
         return grad_gate, grad_up, grad_weight, grad_bias
 
 
-class ExpertsSwiGLUDownFunction(torch.autograd.Function):
-    """The experts' SwiGLU and down projection in Mixtral's 3D layout: per expert e, down[e] applied to
-    silu(gate) * up, where `gate_up` holds gate then up on its last dimension (the output of the experts'
-    gate_up_proj). Saves gate_up only (4f per row, as `SwiGLUDownFunction`); the product is recomputed.
+class ExpertsSwiGLUFunction(torch.autograd.Function):
+    """The experts' SwiGLU MLP in Mixtral's 3D layout, bias of the down projection excluded: per expert e,
+    down[e] @ (silu(gate) * up), gate and up being x times the halves of gate_up_proj[e] (plus their bias).
+    Saves x, gate and up (4f per row, as `SwiGLUDownFunction`); the product is recomputed.
 
-    Layouts (`counts`): None, a slot buffer gate_up [E, C, 2I] run as one bmm; else rows gate_up [N, 2I]
-    sorted by expert, `counts[e]` each, run as `torch._grouped_mm` (`grouped_mm`) or a per-expert loop of
-    matmuls (`grouped.experts_matmul`). weight is down_proj [E, H, I].
+    gate and up are two matmuls into contiguous tensors, not one [rows, 2I] output split into strided halves:
+    on the CPU an elementwise pass over a strided half cost as much as over the whole row (torch 2.13, fp32:
+    silu 7.1 ms on a half of [4096, 1408], 3.6 ms on a contiguous [4096, 704]), and forward and backward make
+    seven such passes. The matmuls' work is the same; the gate_up gradient is filled half by half.
+
+    Layouts (`counts`): None, a slot buffer x [E, C, H] run as bmm; else rows x [N, H] sorted by expert,
+    `counts[e]` each, run as `torch._grouped_mm` (`grouped_mm`) or a per-expert loop of matmuls
+    (`grouped.experts_matmul`). gate_up [E, 2I, H], down [E, H, I], gate_up_bias [E, 2I] or None.
     """
 
     @staticmethod
-    def forward(ctx, gate_up, weight, counts: list[int] | None, grouped_mm: bool):
-        gate, up = gate_up.chunk(2, dim=-1)
-        ctx.save_for_backward(gate_up, weight)
-        ctx.counts, ctx.grouped_mm = counts, grouped_mm
-        return experts_matmul(F.silu(gate).mul_(up), weight.transpose(1, 2), counts, grouped_mm)
+    def forward(ctx, x, gate_up, down, gate_up_bias, counts: list[int] | None, grouped_mm: bool):
+        width = down.shape[-1]
+        gate = experts_matmul(x, gate_up[:, :width].transpose(1, 2), counts, grouped_mm)
+        up = experts_matmul(x, gate_up[:, width:].transpose(1, 2), counts, grouped_mm)
+        if gate_up_bias is not None:
+            gate.add_(expert_rows(gate_up_bias[:, :width], counts))
+            up.add_(expert_rows(gate_up_bias[:, width:], counts))
+        ctx.save_for_backward(x, gate, up, gate_up, down)
+        ctx.counts, ctx.grouped_mm, ctx.has_bias = counts, grouped_mm, gate_up_bias is not None
+        return experts_matmul(F.silu(gate).mul_(up), down.transpose(1, 2), counts, grouped_mm)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        gate_up, weight = ctx.saved_tensors
-        counts, grouped_mm = ctx.counts, ctx.grouped_mm
-        gate, up = gate_up.chunk(2, dim=-1)
-        # The halves of grad_gate_up serve as scratch first: silu in grad_up's half, the product (for the weight
-        # gradient) in grad_gate's. So the working set is grad_gate_up and grad_product only, and no [rows, I]
-        # tensor is allocated per intermediate (on the CPU a fresh 10-100 MB buffer costs page faults comparable
-        # to the elementwise work). The input gradients (`_swiglu_input_grads`' math) are then written in place:
-        # no concatenation copy (plain's chunk backward has one).
-        grad_gate_up = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            grad_gate_up = torch.empty_like(gate_up)
-            grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
-            silu = torch.ops.aten.silu.out(gate, out=grad_up)
+        x, gate, up, gate_up, down = ctx.saved_tensors
+        counts, grouped_mm, width = ctx.counts, ctx.grouped_mm, down.shape[-1]
+        # Where the gradients go. fp32/fp64: two contiguous tensors, and each matmul over gate_up runs as two
+        # half-width ones (strided halves cost a CPU block step 4-7%, 2 threads, 8-64 experts; an fp32 sum in two
+        # halves rounds like one). 16-bit: one [rows, 2I] tensor, so the input gradient is one matmul (two would
+        # round each half's sum) and no copy joins the halves.
+        if gate.element_size() >= 4:
+            rows, grad_up = None, F.silu(gate)
         else:
-            silu = F.silu(gate)
-        if ctx.needs_input_grad[1]:
-            product = silu.mul_(up) if grad_gate_up is None else torch.mul(silu, up, out=grad_gate)
-            grad_weight = experts_weight_grad(grad, product, counts, grouped_mm)
+            rows = gate.new_empty(*gate.shape[:-1], 2 * width)
+            grad_up = torch.ops.aten.silu.out(gate, out=rows[..., width:])
+        # silu becomes grad_up in place; beside it the working set is the product, then grad_product in its place
+        grad_down = None
+        if ctx.needs_input_grad[2]:
+            product = torch.mul(grad_up, up)
+            grad_down = experts_weight_grad(grad, product, counts, grouped_mm)
             del product
-        if grad_gate_up is not None:
-            grad_product = experts_matmul(grad, weight, counts, grouped_mm)
-            grad_up.mul_(grad_product)  # silu * grad_product
-            torch.mul(grad_product, up, out=grad_gate)
-            torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
-        return grad_gate_up, grad_weight, None, None
+        grad_product = experts_matmul(grad, down, counts, grouped_mm)
+        grad_up.mul_(grad_product)  # silu * grad_product
+        grad_gate = grad_product if rows is None else rows[..., :width]
+        torch.ops.aten.silu_backward.grad_input(grad_product.mul_(up), gate, grad_input=grad_gate)
+        del grad_product
+        grad_x = grad_gate_up = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (experts_matmul(rows, gate_up, counts, grouped_mm) if rows is not None else
+                      experts_matmul_sum(grad_gate, gate_up[:, :width], grad_up, gate_up[:, width:], counts, grouped_mm))
+        if ctx.needs_input_grad[1]:
+            if rows is not None:
+                grad_gate_up = experts_weight_grad(rows, x, counts, grouped_mm)
+            else:
+                grad_gate_up = gate_up.new_empty(gate_up.shape)
+                experts_weight_grad(grad_gate, x, counts, grouped_mm, out=grad_gate_up[:, :width])
+                experts_weight_grad(grad_up, x, counts, grouped_mm, out=grad_gate_up[:, width:])
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_bias = (expert_sums(rows, counts) if rows is not None else
+                         torch.cat([expert_sums(grad_gate, counts), expert_sums(grad_up, counts)], dim=-1))
+        return grad_x, grad_gate_up, grad_down, grad_bias, None, None
 
 
-def experts_swiglu_down(gate_up: torch.Tensor, weight: torch.Tensor, counts: list[int] | None = None,
-                        grouped_mm: bool = False) -> torch.Tensor:
-    return ExpertsSwiGLUDownFunction.apply(gate_up, weight, counts, grouped_mm)
+def experts_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+                   counts: list[int] | None = None, grouped_mm: bool = False) -> torch.Tensor:
+    return ExpertsSwiGLUFunction.apply(x, gate_up, down, gate_up_bias, counts, grouped_mm)
 
 
 class LeanSwiGLUDown(nn.Linear):
@@ -259,6 +287,6 @@ def lean_causal_lm_loss(head: LeanLMHead, hidden: torch.Tensor, labels: torch.Te
     return total / num_items_in_batch
 
 
-__all__ = ["RMSNormFunction", "SwiGLUFunction", "SwiGLUDownFunction", "ExpertsSwiGLUDownFunction",
-           "ChunkedLMLossFunction", "LeanSwiGLUDown", "LeanLMHead", "rms_norm", "swiglu", "experts_swiglu_down",
+__all__ = ["RMSNormFunction", "SwiGLUFunction", "SwiGLUDownFunction", "ExpertsSwiGLUFunction",
+           "ChunkedLMLossFunction", "LeanSwiGLUDown", "LeanLMHead", "rms_norm", "swiglu", "experts_swiglu",
            "lean_causal_lm_loss", "shift_labels"]

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from adaptive.models.grouped import grouped_linear
-from adaptive.models.lean import experts_swiglu_down
+from adaptive.models.grouped import expert_rows, grouped_linear
+from adaptive.models.lean import experts_swiglu
 
 
 class MoEStats(NamedTuple):
@@ -219,8 +219,8 @@ class GroupedExperts(nn.Module):
       aligned); else an exact loop of per-expert matmuls. On CPU both give bitwise-equal outputs and
       gradients (tests/models/test_moe.py).
 
-    `lean` (silu only): the SwiGLU and down projection run through `lean.ExpertsSwiGLUDownFunction`, which keeps
-    the gate_up output (4f per row) instead of gate, silu(gate), up and their product (8f); same values.
+    `lean` (silu only): the experts run through `lean.ExpertsSwiGLUFunction`, which keeps gate and up (4f per
+    row) instead of gate, silu(gate), up and their product (8f); same values.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False,
@@ -248,21 +248,14 @@ class GroupedExperts(nn.Module):
 
     def _run(self, x: torch.Tensor, counts: list[int] | None, grouped_mm: bool) -> torch.Tensor:
         # Every expert's weights enter the graph, empty groups too: DDP/ZeRO expect a gradient for each.
-        h = grouped_linear(x, self.gate_up_proj, counts, grouped_mm)
-        if self.gate_up_proj_bias is not None:
-            h = h + _bias_rows(self.gate_up_proj_bias, counts)
         if self.lean:
-            out = experts_swiglu_down(h, self.down_proj, counts, grouped_mm)
+            out = experts_swiglu(x, self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, counts, grouped_mm)
         else:
+            h = grouped_linear(x, self.gate_up_proj, counts, grouped_mm)
+            if self.gate_up_proj_bias is not None:
+                h = h + expert_rows(self.gate_up_proj_bias, counts)
             out = grouped_linear(self._swiglu(h), self.down_proj, counts, grouped_mm)
-        return out if self.down_proj_bias is None else out + _bias_rows(self.down_proj_bias, counts)
-
-
-def _bias_rows(bias: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
-    """bias [E, M] broadcast to the layout: [E, 1, M] for the slot buffer, one row per grouped row."""
-    if counts is None:
-        return bias[:, None, :]
-    return bias.repeat_interleave(torch.tensor(counts, device=bias.device), dim=0)
+        return out if self.down_proj_bias is None else out + expert_rows(self.down_proj_bias, counts)
 
 
 def _use_grouped_mm(x: torch.Tensor, hidden: int, intermediate: int) -> bool:

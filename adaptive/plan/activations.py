@@ -87,7 +87,7 @@ def moe_layer_bytes(s: ModelSpec, tokens: int, capacity_factor: float, kernels: 
     the router input in fp32 (4h); fp32 logits and softmax (8E) and a
     bool mask (E); routing indices, weights and masks (31k bytes for top-k); the combine's gathered
     expert outputs (2kh). Per capacity slot (E·C of them): the dispatched input (2h), the expert's
-    SwiGLU (`swiglu_bytes`: lean keeps the gate_up output, 4f, in both implementations) and the slot's
+    SwiGLU (`swiglu_bytes`: lean keeps gate and up, 4f, in both implementations) and the slot's
     source index (8).
     Per layer: the fp32 copy of the router weight (4Eh).
     A Qwen2-MoE shared expert adds its SwiGLU over every token (8 bytes per unit of its width; measured
@@ -207,10 +207,11 @@ def loss_working_bytes(s: ModelSpec, tokens: int, kernels: str = "lean") -> int:
 
 def moe_backward_bytes(s: ModelSpec, tokens: int, capacity_factor: float, kernels: str = "lean") -> float:
     """Working set of one MoE layer's backward, fitted to measurements of random shapes: gradients of
-    the gathered tokens (2.8h per token) and of the dispatched capacity slots (5.6h per slot). Lean experts
-    hold grad_gate_up and grad_product beside the saved gate_up (silu and the product are rebuilt inside
-    grad_gate_up's halves): 1.5f more per slot (fitted: debug_200m MoE and hybrid, seq 2048, micro-batch 8,
-    where the backward sets the peak; 3.2f and 0.2f alone. 5f before the rebuild moved into those halves)."""
+    the gathered tokens (2.8h per token) and of the dispatched capacity slots (5.6h per slot). 16-bit lean
+    experts hold their [slots, 2I] gradient and the product (then grad_product in its place) beside the saved
+    gate and up (silu is rebuilt inside the gradient's up half): 1.5f more per slot (fitted: debug_200m MoE and
+    hybrid, seq 2048, micro-batch 8, where the backward sets the peak; 3.2f and 0.2f alone. 5f before the
+    rebuild moved into the gradient)."""
     slots = s.num_local_experts * expert_capacity(tokens, s, capacity_factor)
     lean = 1.5 * s.moe_intermediate_size if kernels == "lean" else 0
     return 2.8 * tokens * s.hidden_size + (5.6 * s.hidden_size + lean) * slots

@@ -13,7 +13,7 @@ from adaptive.models.lean import (
     ChunkedLMLossFunction,
     LeanLMHead,
     SwiGLUDownFunction,
-    experts_swiglu_down,
+    experts_swiglu,
     rms_norm,
     swiglu,
 )
@@ -138,12 +138,42 @@ def test_swiglu_functions_pass_gradcheck_in_float64():
     bias = torch.randn(3, dtype=torch.float64, generator=g, requires_grad=True)
     assert torch.autograd.gradcheck(swiglu, (gate, up))
     assert torch.autograd.gradcheck(SwiGLUDownFunction.apply, (gate, up, down, bias))
-    # the experts' form: a [E, C, 2I] slot buffer, and rows in groups (an empty one included) for the loop
-    experts = torch.randn(3, 4, 7, dtype=torch.float64, generator=g, requires_grad=True)
-    slots = torch.randn(3, 5, 14, dtype=torch.float64, generator=g, requires_grad=True)
-    rows = torch.randn(9, 14, dtype=torch.float64, generator=g, requires_grad=True)
-    assert torch.autograd.gradcheck(experts_swiglu_down, (slots, experts))
-    assert torch.autograd.gradcheck(lambda x, w: experts_swiglu_down(x, w, [4, 0, 5]), (rows, experts))
+    # the experts' form, gate_up [E, 2I, H] and down [E, H, I], with and without a gate_up bias: a [E, C, H] slot
+    # buffer, and rows in groups (an empty one included) for the loop
+    gate_up = torch.randn(3, 8, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    experts = torch.randn(3, 6, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    gate_up_bias = torch.randn(3, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    slots = torch.randn(3, 5, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    rows = torch.randn(9, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    for bias in (None, gate_up_bias):
+        assert torch.autograd.gradcheck(lambda x, w, d, b: experts_swiglu(x, w, d, b), (slots, gate_up, experts, bias))
+        assert torch.autograd.gradcheck(lambda x, w, d, b: experts_swiglu(x, w, d, b, [4, 0, 5]),
+                                        (rows, gate_up, experts, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts", [None, [4, 0, 5]], ids=["slots", "groups"])
+def test_experts_swiglu_matches_the_plain_ops_in_both_gradient_layouts(dtype, counts):
+    """fp32 keeps grad_gate and grad_up apart, 16-bit writes them into one [rows, 2I] tensor: both give the
+    values of the plain ops (matmul, bias, silu, mul, matmul), biases included."""
+    from adaptive.models.grouped import expert_rows, grouped_linear
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(*((3, 5) if counts is None else (9,)), 16, generator=g).to(dtype).requires_grad_()
+    gate_up = (torch.randn(3, 24, 16, generator=g) / 4).to(dtype).requires_grad_()
+    down = (torch.randn(3, 16, 12, generator=g) / 4).to(dtype).requires_grad_()
+    bias = torch.randn(3, 24, generator=g).to(dtype).requires_grad_()
+    upstream = torch.randn(*x.shape, generator=g).to(dtype)
+    got = experts_swiglu(x, gate_up, down, bias, counts)
+    grads = torch.autograd.grad(got, (x, gate_up, down, bias), upstream)
+    h = grouped_linear(x, gate_up, counts) + expert_rows(bias, counts)
+    gate, up = h.chunk(2, dim=-1)
+    want = grouped_linear(F.silu(gate) * up, down, counts)
+    expected = torch.autograd.grad(want, (x, gate_up, down, bias), upstream)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(grads, expected):
+        error = ((a.double() - b.double()).norm() / b.double().norm()).item()
+        assert error <= TOLERANCE[dtype], error
 
 
 def test_lean_modules_keep_the_plain_state_dict_keys():
