@@ -30,13 +30,12 @@ def experts_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | No
 
 
 def experts_matmul_sum(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weight_b: torch.Tensor,
-                       counts: list[int] | None, grouped_mm: bool):
-    """a @ weight_a[e] + b @ weight_b[e] per expert (layouts as `experts_matmul`). Off CUDA the second product is
-    accumulated into the first by the matmul itself (baddbmm, addmm_): no separate pass for the sum."""
+                       counts: list[int] | None):
+    """a @ weight_a[e] + b @ weight_b[e] per expert (layouts as `experts_matmul`), the second product accumulated
+    into the first by the matmul itself (baddbmm, addmm_): no separate pass for the sum. A loop for the groups:
+    the lean experts use it in fp32, which grouped_mm runs only on the CPU, where it is itself a loop."""
     if counts is None:
         return torch.baddbmm(torch.bmm(a, weight_a), b, weight_b)
-    if grouped_mm and a.is_cuda:
-        return experts_matmul(a, weight_a, counts, True).add_(experts_matmul(b, weight_b, counts, True))
     out = a.new_empty(a.shape[0], weight_a.shape[-1])
     for part_a, part_b, w_a, w_b, target in zip(a.split(counts), b.split(counts), weight_a.unbind(0),
                                                 weight_b.unbind(0), out.split(counts)):
@@ -47,14 +46,12 @@ def experts_matmul_sum(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor,
 def experts_weight_grad(grad: torch.Tensor, x: torch.Tensor, counts: list[int] | None, grouped_mm: bool,
                         out: torch.Tensor | None = None):
     """The gradient of weight [E, M, K] in `x @ weight[e].T`: grad[e]^T @ x[e] per expert, in the weight's layout.
-    `out` (a [E, M, K] view, e.g. one half of gate_up_proj's gradient) receives it in place."""
+    `out` (a [E, M, K] view, e.g. one half of gate_up_proj's gradient) receives it in place; grouped_mm has no
+    out=, so with `out` the groups run as a loop (its fp32 users reach grouped_mm only on the CPU, a loop too)."""
     if counts is None:
         return torch.bmm(grad.transpose(1, 2), x, out=out)
-    # grouped_mm has no out=. On the CPU it is itself a loop of matmuls, so there the loop below fills `out`
-    # without grouped_mm's copy (half the weight gradient: 23 MB per layer at 32 experts).
-    if grouped_mm and (out is None or x.is_cuda):
-        result = torch._grouped_mm(grad.t(), x, offs=offsets(counts, x.device))
-        return result if out is None else out.copy_(result)
+    if grouped_mm and out is None:
+        return torch._grouped_mm(grad.t(), x, offs=offsets(counts, x.device))
     if out is None:
         return torch.stack([g.t().mm(part) for g, part in zip(grad.split(counts), x.split(counts))])
     for g, part, target in zip(grad.split(counts), x.split(counts), out.unbind(0)):

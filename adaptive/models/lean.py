@@ -181,7 +181,7 @@ class ExpertsSwiGLUFunction(torch.autograd.Function):
         grad_x = grad_gate_up = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = (experts_matmul(rows, gate_up, counts, grouped_mm) if rows is not None else
-                      experts_matmul_sum(grad_gate, gate_up[:, :width], grad_up, gate_up[:, width:], counts, grouped_mm))
+                      experts_matmul_sum(grad_gate, gate_up[:, :width], grad_up, gate_up[:, width:], counts))
         if ctx.needs_input_grad[1]:
             if rows is not None:
                 grad_gate_up = experts_weight_grad(rows, x, counts, grouped_mm)

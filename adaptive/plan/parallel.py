@@ -77,8 +77,8 @@ def layout_error(spec: ModelSpec, layout: Layout, *, world: int, gpus_per_node: 
     if world % (tp * sp):
         return f"the number of GPUs ({world}) must be divisible by --tp-size x --sp-size ({tp} x {sp})"
     if tp > 1 and sp > 1:
-        # AutoTP builds a (dp, tp) mesh and Ulysses a (dp, sp) one over the whole world (groups.py
-        # :202, parallel_state_sp.py initialize_sequence_parallel): no 3D mesh composes them
+        # AutoTP builds a (dp, tp) mesh and Ulysses a (dp, sp) one over the whole world (deepspeed/utils/groups.py
+        # and parallel_state_sp.py initialize_sequence_parallel): no 3D mesh composes them
         return f"--tp-size {tp} with --sp-size {sp}: DeepSpeed 0.19.8 does not compose AutoTP with Ulysses SP; use one"
     if tp > gpus_per_node:
         return f"--tp-size ({tp}) must not exceed the GPUs per node ({gpus_per_node}): AutoTP all-reduces every layer"
