@@ -14,6 +14,7 @@ The sdist lacks three modules those files import; we supply our own minimal stan
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import os
 import subprocess
@@ -106,7 +107,11 @@ def load():
     root = cache_root(transformers.__version__)
     if not (root / PACKAGE / FILES[0]).exists():
         root.parent.mkdir(parents=True, exist_ok=True)
-        _download(transformers.__version__, root)
+        # pytest-xdist's workers collect at once: one downloads, the others wait and find the cache
+        with open(root.parent / f"{root.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (root / PACKAGE / FILES[0]).exists():
+                _download(transformers.__version__, root)
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     try:
