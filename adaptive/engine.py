@@ -67,7 +67,7 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
 
 # The classes, besides tensors and plain containers, that a DeepSpeed + accelerate checkpoint pickles
 # (found by torch.serialization.get_unsafe_globals_in_checkpoint over ZeRO 0-3, MoE and fp16 checkpoints).
-# Resume unpickles with torch's weights-only unpickler and allows these alone (train/checkpoint.py).
+# Resume unpickles with torch's weights-only unpickler and allows these alone (train/run_folder/checkpoint.py).
 CHECKPOINT_CLASSES: tuple[tuple[str, str], ...] = (
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
     ("deepspeed.utils.tensor_fragment", "fragment_address"),

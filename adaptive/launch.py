@@ -39,7 +39,7 @@ from adaptive.config.run import TRAIN, RunConfig, to_argv
 from adaptive.errors import AdaptiveError
 from adaptive.extras import require
 from adaptive.plan import Plan, fit, make_request
-from adaptive.plan.emit import accelerate_config, to_yaml, write_plan_files
+from adaptive.plan.ds_config.emit import accelerate_config, to_yaml, write_plan_files
 
 MAIN_NODE_PLACEHOLDER = "MAIN_NODE_IP"
 
@@ -140,7 +140,7 @@ def _shell_safe(args: list[str]) -> None:
 def plan_launch(req: LaunchRequest) -> Launch:
     """Plan, write the run folder's configs, and build the commands (nothing is run)."""
     from adaptive.recipe import load_recipe, orchestrator_settings
-    from adaptive.train.init_from import planned_model
+    from adaptive.train.run_folder.init_from import planned_model
 
     recipe = Path(req.recipe)
     config = req.config
@@ -176,7 +176,7 @@ def plan_launch(req: LaunchRequest) -> Launch:
         raise AdaptiveError(f"{preset} {arch} does not fit {request.world_size} x {request.gpu.name}{hint}")
     run_dir = Path(config.output.output_dir or f"runs/{preset}_{arch}").resolve()
     if not req.dry_run:  # the recipe would refuse too, after launch had written over the run's configs
-        from adaptive.train.run_folder import check_fresh_start
+        from adaptive.train.run_folder.ownership import check_fresh_start
 
         check_fresh_start(run_dir, config.output.resume, config.output.overwrite)
         if config.output.resume:
@@ -242,7 +242,7 @@ def plan_launch(req: LaunchRequest) -> Launch:
 
 def _require_a_checkpoint(resume: str, run_dir: Path) -> None:
     """A complete checkpoint to resume from (sizes checked; the recipe verifies its digests)."""
-    from adaptive.train.checkpoint import find_checkpoint
+    from adaptive.train.run_folder.checkpoint import find_checkpoint
 
     if find_checkpoint(resume, run_dir, digests=False) is None:
         raise AdaptiveError(f"--resume: {run_dir if resume == 'auto' else resume} holds no complete checkpoint, "
@@ -319,7 +319,7 @@ class _LauncherLogsHeld(logging.Handler):
 
 
 def _detected_gpu() -> str:
-    from adaptive.train.runplan import detect_device
+    from adaptive.train.run.runplan import detect_device
 
     device = detect_device(None)
     if device.gpu is None:

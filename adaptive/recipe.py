@@ -7,7 +7,7 @@
         raise SystemExit(recipe.main())
 
 `recipe.main()` parses the run options (`adaptive.config`, the same definitions as `adaptive fit`
-and `adaptive launch`), plans the run with the same planner, and trains it (`adaptive.train.entry`)
+and `adaptive launch`), plans the run with the same planner, and trains it (`adaptive.train.run.entry`)
 with the orchestrator's policies as plugins. `adaptive launch` reads the `recipe` a file declares.
 `--dry-run` prints the plan as JSON without training; with `--gpu` it imports no torch.
 
@@ -30,7 +30,7 @@ import typer
 from adaptive.config.commandline import run_command, with_run_options
 from adaptive.config.run import TRAIN, RunConfig
 from adaptive.errors import AdaptiveError
-from adaptive.plan.presets import ARCHS, PRESETS
+from adaptive.plan.architecture.presets import ARCHS, PRESETS
 
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Plan and print the run as JSON; do not train.")]
 
@@ -103,7 +103,7 @@ def train(config: RunConfig, preset: str, arch: str, callbacks: list[Any] | None
     from adaptive.orchestrator import policies
 
     require("training")  # before torch is imported: one line in a planner-only install
-    from adaptive.train.entry import run
+    from adaptive.train.run.entry import run
 
     orchestrator = orchestrator_settings(config)  # bad settings fail before anything starts
     return run(config, preset, arch, callbacks, plugins=lambda: policies(orchestrator))
@@ -111,8 +111,8 @@ def train(config: RunConfig, preset: str, arch: str, callbacks: list[Any] | None
 
 def plan_only(config: RunConfig, preset: str, arch: str) -> dict[str, Any]:
     """The run as --dry-run prints it: the run section, the plan (adaptive fit's schema), the DeepSpeed config."""
-    from adaptive.plan.emit import plan_dict
-    from adaptive.train.runplan import World, detect_device, launcher_world, plan_run
+    from adaptive.plan.ds_config.emit import plan_dict
+    from adaptive.train.run.runplan import World, detect_device, launcher_world, plan_run
 
     launched = launcher_world()
     per_node = config.hardware.gpus or launched.per_node

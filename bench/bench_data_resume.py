@@ -35,16 +35,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 
-from adaptive.train.data import (  # noqa: E402
-    DEFAULT_CORPUS,
-    DataConfig,
-    SampleIterator,
-    _encode,
-    _held_out,
-    build_datasets,
-    load_text_dataset,
-)
-from adaptive.train.tokenizer import load_tokenizer  # noqa: E402
+from adaptive.train.data.batches import SampleIterator
+from adaptive.train.data.packing import _encode, _held_out, build_datasets
+from adaptive.train.data.sources import DEFAULT_CORPUS, DataConfig, load_text_dataset  # noqa: E402
+from adaptive.train.data.tokenizer import load_tokenizer  # noqa: E402
 
 
 def write_corpus(folder: Path, target_chars: int, shards: int = 4) -> None:
@@ -117,7 +111,7 @@ def h100_b1_need() -> tuple[float, float]:
     """(tokens/s per GPU, seconds per optimizer step) the planner predicts for b1 on one H100."""
     from adaptive.config import RunConfig
     from adaptive.plan import fit
-    from adaptive.plan.emit import plan_dict
+    from adaptive.plan.ds_config.emit import plan_dict
     from adaptive.plan.request import request_from_config
 
     plan = plan_dict(fit(request_from_config(RunConfig.from_options({"name": "b1", "gpu": "h100"}))))

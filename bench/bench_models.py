@@ -43,7 +43,7 @@ def build(arch: str, **overrides) -> AdaptiveForCausalLM:
     knobs = dict(mod_layer_freq=2, moe_layer_freq=1)
     block_types = None
     if arch != "dense":
-        from adaptive.plan.presets import layer_pattern
+        from adaptive.plan.architecture.presets import layer_pattern
 
         block_types = list(layer_pattern(arch, layers, knobs["moe_layer_freq"], knobs["mod_layer_freq"]))
     config = AdaptiveConfig.from_preset("debug", arch=arch, **{**SHAPE, "block_types": block_types or ["dense"] * layers,

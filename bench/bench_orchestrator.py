@@ -44,7 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from adaptive.orchestrator import policies  # noqa: E402
-from adaptive.train.callbacks import CallbackList, Control, TrainerState  # noqa: E402
+from adaptive.train.run.callbacks import CallbackList, Control, TrainerState  # noqa: E402
 
 
 def rss_bytes() -> int:
@@ -89,12 +89,12 @@ def policy_tensor_bytes(chain: list) -> int:
 
 
 def build(seq_len: int, out: Path):
-    """The debug MoE recipe's run on this CPU, as adaptive.train.entry.run builds it."""
-    from adaptive.train import setup
+    """The debug MoE recipe's run on this CPU, as adaptive.train.run.entry.run builds it."""
+    from adaptive.train.run import setup
     from adaptive.config.commandline import parse
-    from adaptive.train.loop import Loop, LoopSettings
-    from adaptive.train.metrics import MetricsWriter
-    from adaptive.train.runplan import World, detect_device, plan_run
+    from adaptive.train.run.loop import Loop, LoopSettings
+    from adaptive.train.reporting.metrics import MetricsWriter
+    from adaptive.train.run.runplan import World, detect_device, plan_run
 
     config = parse("train", ["--seq-len", str(seq_len), "--micro-batch", "4", "--grad-accum", "1",
                              "--max-steps", "100000", "--output-dir", str(out), "--orchestrator", "on",
@@ -119,8 +119,8 @@ def build(seq_len: int, out: Path):
 
 
 def one_step(state, control, loop, samples, meter, chain) -> float:
-    """The training loop's own step (adaptive.train.loop.step_once) with `chain` as its callbacks."""
-    from adaptive.train.loop import step_once
+    """The training loop's own step (adaptive.train.run.loop.step_once) with `chain` as its callbacks."""
+    from adaptive.train.run.loop import step_once
 
     loop.callbacks = chain
     started = time.perf_counter()
@@ -129,8 +129,8 @@ def one_step(state, control, loop, samples, meter, chain) -> float:
 
 
 def measure(seq_len: int, steps: int, warmup: int, memory_steps: int = 40) -> dict:
-    from adaptive.train.data import SampleIterator
-    from adaptive.train.metrics import IntervalMeter
+    from adaptive.train.data.batches import SampleIterator
+    from adaptive.train.reporting.metrics import IntervalMeter
 
     with tempfile.TemporaryDirectory() as tmp:
         state, loop = build(seq_len, Path(tmp) / "run")

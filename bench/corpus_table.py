@@ -3,9 +3,9 @@
     python bench/corpus_table.py            # markdown table on stdout
     python bench/corpus_table.py --summary  # error summary only
 
-Every entry of adaptive/plan/corpus_runs.json is planned with the knobs its source states
-(adaptive/plan/corpus.py); each published figure is shown beside the prediction with the relative error.
-Tolerances (tests/plan/test_corpus.py): fit/OOM calls and tokens/s (+-20%) for runs of our stack's
+Every entry of adaptive/plan/evidence/corpus_runs.json is planned with the knobs its source states
+(adaptive/plan/evidence/corpus.py); each published figure is shown beside the prediction with the relative error.
+Tolerances (tests/plan/evidence/test_corpus.py): fit/OOM calls and tokens/s (+-20%) for runs of our stack's
 kind ("ours"), GPU-hours +-15% for dense models up to 13B; other stacks are shown, not held.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import sys
 
-from adaptive.plan.corpus import (GPU_HOURS_TOLERANCE, LARGE_GPU_HOURS_RUNS, LARGE_GPU_HOURS_TOLERANCE,
+from adaptive.plan.evidence.corpus import (GPU_HOURS_TOLERANCE, LARGE_GPU_HOURS_RUNS, LARGE_GPU_HOURS_TOLERANCE,
                                   TOKENS_PER_S_TOLERANCE, comparisons, is_dense_up_to_13b, load, predict)
-from adaptive.plan.tight import TIGHT_MARGIN
+from adaptive.plan.search.tight import TIGHT_MARGIN
 
 
 def setting(p) -> str:

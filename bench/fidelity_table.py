@@ -17,8 +17,8 @@ import sys
 import time
 
 from adaptive.fidelity.measure import measure_step
-from adaptive.plan.memory import TrainSetup, estimate_memory
-from adaptive.plan.presets import ARCHS, PRESETS, preset_spec
+from adaptive.plan.estimate.memory import TrainSetup, estimate_memory
+from adaptive.plan.architecture.presets import ARCHS, PRESETS, preset_spec
 
 GiB = 2**30
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, as the other benches do
 
-from adaptive.plan.blocks import block_type  # noqa: E402
+from adaptive.plan.architecture.blocks import block_type  # noqa: E402
 
 CONFIGS = [  # (preset, arch, zero, offload, micro-batches)
     ("b1", "dense", 2, "none", (2, 4)),
@@ -103,8 +103,8 @@ def run_config(preset: str, arch: str, zero: int, offload: str, micros: tuple[in
 
     from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
     from adaptive.plan import fit, make_request
-    from adaptive.plan.emit import ds_config
-    from adaptive.plan.throughput import model_flops_per_token
+    from adaptive.plan.ds_config.emit import ds_config
+    from adaptive.plan.estimate.throughput import model_flops_per_token
 
     seq = 128 if dry_run else 2048
     model_name = "debug" if dry_run else preset
@@ -216,7 +216,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from adaptive.plan.gpus import match_detected_gpu
+    from adaptive.plan.hardware.gpus import match_detected_gpu
 
     if args.dry_run:
         gpu, warmup, steps = "a100-80gb", 0, 1

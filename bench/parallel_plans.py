@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from adaptive.plan import fit, make_request
-from adaptive.plan.planner import describe
+from adaptive.plan.search.planner import describe
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "plan" / "data"
 RUNS = {

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from adaptive.plan import ARCHS, CATALOG, PRESETS, count_params, preset_spec
-from adaptive.plan.hardware import figures
+from adaptive.plan.hardware.gpus import figures
 
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 

@@ -25,7 +25,7 @@ def export(run_dir: RunDir, export_format: Format = "auto", out: Out = None, jso
     require("adaptive export")
     from transformers.utils import logging as hf_logging
 
-    from adaptive.train.export import convert_export
+    from adaptive.train.run_folder.export import convert_export
 
     hf_logging.disable_progress_bar()  # the loading bar is noise on a one-line command
     # loading imports DeepSpeed (through accelerate), whose logger prints to stdout: keep stdout for our output

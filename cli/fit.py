@@ -28,13 +28,13 @@ def fit(
     plan = plan_fit(request_from_config(config, calibrate=calibrate))
     files = None
     if out:
-        from adaptive.plan.emit import write_plan_files  # the writers and json only where asked for
+        from adaptive.plan.ds_config.emit import write_plan_files  # the writers and json only where asked for
 
         files = write_plan_files(plan, out)
     if json_output:
         import json
 
-        from adaptive.plan.emit import plan_dict
+        from adaptive.plan.ds_config.emit import plan_dict
 
         print(json.dumps(plan_dict(plan), indent=2))
     else:

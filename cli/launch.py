@@ -47,7 +47,7 @@ def launch(
 
 
 def _show(planned) -> None:
-    from adaptive.plan.planner import describe
+    from adaptive.plan.search.planner import describe
 
     print(f"{planned.preset} {planned.arch}: {describe(planned.plan.shown)}")
     for name, path in planned.files.items():

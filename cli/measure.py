@@ -25,7 +25,7 @@ def measure(
 ) -> None:
     """Measure memory of a real training step with fake tensors (no memory, no GPU), next to the plan."""
     require("adaptive measure")  # before minutes of work and before torch: one line in a planner-only install
-    from adaptive.plan.planner import validate
+    from adaptive.plan.search.planner import validate
 
     # what is measured: the pinned knobs, else one sequence on ZeRO-0 without checkpointing
     model = config.model.name or "b7"

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from adaptive.plan.planner import Plan
+from adaptive.plan.search.planner import Plan
 
 GiB = 2**30
 # Wide enough for the comparison table when piped; a terminal keeps its own width.
@@ -170,7 +170,7 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
                       f"peak under-prediction on published runs of this stack); decided by "
                       f"{PART_LABELS.get(p.tight_part, p.tight_part)} ({gib(m.parts[p.tight_part])})")
     if req.ds_config is not None:
-        from adaptive.plan.ds_config_input import drivers
+        from adaptive.plan.ds_config.reader import drivers
 
         for part, n, why in drivers(req.ds_config, m.parts, s.zero_stage):
             out(f"{req.ds_config.path}: {PART_LABELS.get(part, part)} {gib(n)} <- {why}", soft_wrap=True)

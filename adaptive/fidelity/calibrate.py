@@ -7,9 +7,9 @@ from pathlib import Path
 
 from adaptive.errors import AdaptiveError
 from adaptive.fidelity.measure import measure_step
-from adaptive.plan.calibration import Calibration, signature, to_json
-from adaptive.plan.hf_config import looks_like_path, read_config_json
-from adaptive.plan.planner import FitRequest
+from adaptive.plan.estimate.calibration import Calibration, signature, to_json
+from adaptive.plan.architecture.hf_config import looks_like_path, read_config_json
+from adaptive.plan.search.planner import FitRequest
 
 
 def measure_calibration(request: FitRequest, model_arg: str, micro_batch: int = 1) -> Calibration:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from adaptive.fidelity.measure import Measurement, checkpoint_policy, measure_step, transformers_class_builds
-from adaptive.plan.hf_config import looks_like_path, read_config_json
-from adaptive.plan.memory import STAGE3_PREFETCH_ELEMENTS, TrainSetup, estimate_memory, reduce_bucket_elements
-from adaptive.plan.params import count_params
-from adaptive.plan.planner import FitRequest
+from adaptive.plan.architecture.hf_config import looks_like_path, read_config_json
+from adaptive.plan.estimate.memory import STAGE3_PREFETCH_ELEMENTS, TrainSetup, estimate_memory, reduce_bucket_elements
+from adaptive.plan.architecture.params import count_params
+from adaptive.plan.search.planner import FitRequest
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ forward, backward and an AdamW step. Two instruments watch it:
 Model states are laid out the way DeepSpeed does on one GPU (16-bit params; fp32 master weights and
 Adam moments; ZeRO-0 builds 16-bit then fp32 gradients for the step; ZeRO-1/2 keep a 16-bit gradient
 partition and double-buffered reduce buckets and build fp32 gradients for the step). That layout is
-checked against real DeepSpeed engines in tests/plan/test_memory_measured_deepspeed.py; what this
+checked against real DeepSpeed engines in tests/plan/estimate/test_memory_measured_deepspeed.py; what this
 module measures is the model's own activations, logits and backward working set.
 
 Deep models are measured at two reduced depths and extrapolated per layer: every measured quantity
@@ -39,8 +39,8 @@ except ImportError:  # pragma: no cover - older huggingface_hub
     StrictDataclassError = ValueError
 
 from adaptive.errors import AdaptiveError
-from adaptive.plan.hf_config import MOE_TYPES
-from adaptive.plan.presets import ModelSpec, layer_pattern
+from adaptive.plan.architecture.hf_config import MOE_TYPES
+from adaptive.plan.architecture.presets import ModelSpec, layer_pattern
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -243,7 +243,7 @@ class EmulatedZeroOptimizer:
 
     def end_backward(self) -> None:
         # ZeRO-1/2 end a backward holding an averaged copy of the 16-bit gradient partition beside the
-        # buckets (measured on DeepSpeed 0.19.8: tests/plan/test_memory_measured_deepspeed_inputs.py)
+        # buckets (measured on DeepSpeed 0.19.8: tests/plan/estimate/test_memory_measured_deepspeed_inputs.py)
         self.averaged = [g.clone() for g in self.grad_partition] if self.backward_buckets else []
         self.reduce_buckets = []
 

@@ -6,7 +6,7 @@
     mlp       every block keeps its attention half's activations and recomputes its MLP half (post-attention
               norm + SwiGLU or MoE) from that half's input: per token, the attention half's bytes plus 2h
 
-The planner's byte counts of each policy are in adaptive/plan/activations.py (`parse_checkpoint_policy`).
+The planner's byte counts of each policy are in adaptive/plan/estimate/activations.py (`parse_checkpoint_policy`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import nn
 
 from adaptive.errors import AdaptiveError
-from adaptive.plan.activations import parse_checkpoint_policy
+from adaptive.plan.estimate.activations import parse_checkpoint_policy
 
 
 def apply_checkpointing(model: nn.Module, policy: str) -> None:

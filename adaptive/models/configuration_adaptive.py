@@ -1,6 +1,6 @@
 """`AdaptiveConfig`: one typed config for dense, MoE, MoD and hybrid decoders.
 
-Shapes come from `adaptive.plan.presets` (`from_preset` / `from_spec`), so the planner and the model
+Shapes come from `adaptive.plan.architecture.presets` (`from_preset` / `from_spec`), so the planner and the model
 count the same parameters. The per-layer pattern is `block_types` (dense | moe | mod | hybrid).
 
 Why not `layer_types`: transformers 5 reserves `config.layer_types` for *attention* kinds
@@ -18,8 +18,8 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 from adaptive.errors import AdaptiveError, closest
-from adaptive.plan.blocks import block_type
-from adaptive.plan.presets import LAYER_TYPES, ModelSpec, preset_spec
+from adaptive.plan.architecture.blocks import block_type
+from adaptive.plan.architecture.presets import LAYER_TYPES, ModelSpec, preset_spec
 
 MOE_IMPLEMENTATIONS = ("native", "deepspeed")
 MOD_ROUTING = ("auto", "topk", "causal")

@@ -1,5 +1,5 @@
 """Start our model from a checkpoint's state dict: a transformers Llama, Mistral, Qwen2 or Mixtral, or an adaptive
-export. Pure mapping: state dicts in, state dicts out; reading the folder is `adaptive.train.init_from`'s job.
+export. Pure mapping: state dicts in, state dicts out; reading the folder is `adaptive.train.run_folder.init_from`'s job.
 
 Names are `export.py`'s mapping read backwards. Our dense blocks carry Llama's names (export writes them as they
 are), and our native MoE layout is Mixtral's in memory (export writes `mixtral_state_dict`, i.e.
@@ -26,7 +26,7 @@ from adaptive.errors import AdaptiveError
 from adaptive.models.configuration_adaptive import AdaptiveConfig
 from adaptive.models.modeling_adaptive import AdaptiveForCausalLM
 from adaptive.models.moe import from_deepspeed_layout
-from adaptive.plan.presets import ModelSpec
+from adaptive.plan.architecture.presets import ModelSpec
 
 logger = logging.getLogger(__name__)
 

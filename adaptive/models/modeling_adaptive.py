@@ -47,7 +47,7 @@ from adaptive.models.moe import (
     is_deepspeed_key,
     to_deepspeed_layout,
 )
-from adaptive.plan.blocks import block_type
+from adaptive.plan.architecture.blocks import block_type
 
 logger = logging.get_logger(__name__)
 

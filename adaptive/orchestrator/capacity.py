@@ -10,7 +10,7 @@ On each monitor summary (every N steps), with `dropped` the worst layer's droppe
 The factor is set on every MoE gate (`gate.capacity_factor`: our native gate and DeepSpeed's
 TopKGate subclass both route with it). The bound is the largest factor on the grid
 min_factor, min_factor + step, ... <= max_factor whose planned per-GPU peak (the planner's memory
-model, `adaptive.plan.memory.estimate_memory`, for the run's setup with the knobs in force) stays
+model, `adaptive.plan.estimate.memory.estimate_memory`, for the run's setup with the knobs in force) stays
 within the budget: `memory_budget_bytes`, or the plan's GPU memory. Memory is "tight" when the
 measured CUDA peak (when the loop reports one) or else the planned peak at the current factor is
 above `tight_fraction` of the budget.
@@ -60,7 +60,7 @@ class CapacityConfig:
 
 def planned_peak_bytes(plan: Any, knobs: Knobs | None, capacity_factor: float) -> int:
     """The planner's per-GPU peak for the run's setup at `capacity_factor` (pure, no torch)."""
-    from adaptive.plan.memory import estimate_memory
+    from adaptive.plan.estimate.memory import estimate_memory
 
     setup = plan.shown.setup
     if knobs is not None:

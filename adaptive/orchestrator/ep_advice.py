@@ -67,7 +67,7 @@ def valid_ep_sizes(num_experts: int, world_size: int) -> list[int]:
 
 
 def _fits(plan: Any, ep: int, fraction: float = 1.0) -> bool:
-    from adaptive.plan.memory import estimate_memory
+    from adaptive.plan.estimate.memory import estimate_memory
 
     setup = dataclasses.replace(plan.shown.setup, ep_size=ep)
     return estimate_memory(setup).peak_gpu_bytes <= fraction * plan.request.gpu.memory_bytes

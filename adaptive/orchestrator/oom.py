@@ -26,7 +26,7 @@ completes, so `--resume` (with the run's original --seq-len, the block length) s
 working settings: the checkpoint's knobs are put back in force (a fresh start from the run's files,
 `--ds-config ds_config.json --seq-len <plan.json's seq_len>`, has the same tokens per step, but
 begins at step 0). A multi-process retry needs every
-rank to run out of memory at the same micro-batch (see adaptive/train/loop.py); the change is the
+rank to run out of memory at the same micro-batch (see adaptive/train/run/loop.py); the change is the
 same on every rank because it follows from the knobs alone.
 """
 
@@ -38,7 +38,7 @@ from typing import Any
 from adaptive.orchestrator.registry import Policy, require
 from adaptive.orchestrator.contract import Control, Knobs, TrainerState
 from adaptive.orchestrator.events import EventLog
-from adaptive.plan.activations import SELECTIVE_POLICIES, parse_checkpoint_policy
+from adaptive.plan.estimate.activations import SELECTIVE_POLICIES, parse_checkpoint_policy
 
 
 @dataclass(frozen=True)

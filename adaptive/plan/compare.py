@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from adaptive.plan.planner import Plan, fit
+from adaptive.plan.search.planner import Plan, fit
 from adaptive.plan.request import make_request
 
 

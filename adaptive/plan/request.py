@@ -8,16 +8,15 @@ from typing import TYPE_CHECKING
 
 from adaptive.config.run import RunConfig
 from adaptive.errors import AdaptiveError, require_positive
-from adaptive.plan.attention import ATTENTIONS
-from adaptive.plan.gpus import GiB, GPU, custom_gpu, get_gpu
-from adaptive.plan.hf_config import default_kernels, looks_like_path, spec_from_hf_config
-from adaptive.plan.optimizers import check_optimizer
-from adaptive.plan.planner import FitRequest
-from adaptive.plan.presets import ModelSpec, preset_spec
+from adaptive.plan.estimate.attention import ATTENTIONS
+from adaptive.plan.hardware.gpus import GiB, GPU, custom_gpu, get_gpu
+from adaptive.plan.architecture.hf_config import default_kernels, looks_like_path, spec_from_hf_config
+from adaptive.plan.estimate.optimizers import check_optimizer
+from adaptive.plan.search.planner import FitRequest
+from adaptive.plan.architecture.presets import ModelSpec, preset_spec
 
 if TYPE_CHECKING:  # --ds-config and --calibrate import what they read when given (a plain fit starts sooner)
-    from adaptive.plan.ds_config_input import DsConfigInput
-    from adaptive.plan.run_calibration import RunMeasurement
+    from adaptive.plan.evidence.run_calibration import RunMeasurement
 
 
 def resolve_model(model: str, arch: str | None = None, mod_capacity: float | None = None) -> ModelSpec:
@@ -61,16 +60,19 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
     if attention not in ATTENTIONS:
         raise AdaptiveError(f"--attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
     optimizer = check_optimizer(optimizer) if optimizer else None
-    ds = load_ds_config(ds_config, spec.hidden_size) if ds_config else None
-    if ds is not None:
+    ds = None
+    if ds_config:
+        from adaptive.plan.ds_config.reader import merge_ds_pins, merge_parallel_pins, read
+
+        ds = read(ds_config, spec.hidden_size)
         merged = merge_ds_pins(ds, zero=zero, offload=offload, micro_batch=micro_batch, grad_accum=grad_accum,
                                optimizer=optimizer, global_batch_tokens=global_batch_tokens, seq_len=seq_len)
         zero, offload, micro_batch, grad_accum, optimizer, global_batch_tokens = merged
         sp_size, tp_size, zero_hpz, zero_quantize = merge_parallel_pins(ds, sp_size, tp_size, zero_hpz, zero_quantize)
     activations, run, source = None, None, None
     if calibrate:
-        from adaptive.plan.calibration import load as load_calibration
-        from adaptive.plan.run_calibration import CALIBRATION_FILE
+        from adaptive.plan.estimate.calibration import load as load_calibration
+        from adaptive.plan.evidence.run_calibration import CALIBRATION_FILE
 
         source = f"{'run folder' if Path(calibrate).is_dir() else 'calibration file'} {calibrate}"
         if Path(calibrate).is_dir():  # a run folder: its metrics, and its activation calibration file if any
@@ -98,15 +100,15 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
     )
     if run is None:
         return request
-    from adaptive.plan.run_calibration import calibrate as calibrate_with_run
+    from adaptive.plan.evidence.run_calibration import calibrate as calibrate_with_run
 
     return calibrate_with_run(request, run)
 
 
 def load_run(run_dir: str) -> RunMeasurement:
     """The measurements in RUN_DIR/metrics.jsonl; AdaptiveError when missing or malformed."""
-    from adaptive.plan.run_calibration import METRICS_FILE as RUN_METRICS_FILE
-    from adaptive.plan.run_calibration import parse_records as parse_run_records
+    from adaptive.plan.evidence.run_calibration import METRICS_FILE as RUN_METRICS_FILE
+    from adaptive.plan.evidence.run_calibration import parse_records as parse_run_records
 
     import json  # only where a file is read: a preset's plan needs no json
 
@@ -124,55 +126,6 @@ def load_run(run_dir: str) -> RunMeasurement:
         if isinstance(e, AdaptiveError):
             raise
         raise AdaptiveError(f"--calibrate {run_dir!r}: malformed {RUN_METRICS_FILE} record: {e}") from None
-
-
-def merge_ds_pins(ds: DsConfigInput, *, zero: int | None, offload: str | None, micro_batch: int | None,
-                  grad_accum: int | None, optimizer: str | None, global_batch_tokens: int | None,
-                  seq_len: int) -> tuple:
-    """The file's explicit values fill the knobs the flags leave free; a flag that contradicts the file
-    is an error. Returns (zero, offload, micro_batch, grad_accum, optimizer, global_batch_tokens)."""
-    pins = {"--zero": (zero, ds.zero_stage, "zero_stage"), "--offload": (offload, ds.offload, "offload"),
-            "--micro-batch": (micro_batch, ds.micro_batch_size, "micro_batch_size"),
-            "--grad-accum": (grad_accum, ds.grad_accum, "grad_accum"),
-            "--optimizer": (optimizer, ds.optimizer, "optimizer")}
-    sources = dict(ds.sources)
-    for flag, (given, pinned, knob) in pins.items():
-        if given is not None and pinned is not None and given != pinned:
-            raise AdaptiveError(f"{flag} {given} contradicts {ds.path} ({sources.get(knob, pinned)}); "
-                                "drop the flag or edit the file")
-    if global_batch_tokens is None and ds.train_batch_size is not None:
-        global_batch_tokens = ds.train_batch_size * seq_len
-    return (zero if zero is not None else ds.zero_stage, offload if offload is not None else ds.offload,
-            micro_batch or ds.micro_batch_size, grad_accum or ds.grad_accum, optimizer or ds.optimizer,
-            global_batch_tokens)
-
-
-def merge_parallel_pins(ds: DsConfigInput, sp_size: int | None, tp_size: int | None, zero_hpz: int | None,
-                        zero_quantize: str | None) -> tuple:
-    """The file's SP, TP and ZeRO++ settings fill the flags left free; a flag that contradicts the file is
-    an error. Returns (sp_size, tp_size, zero_hpz, zero_quantize)."""
-    sources = dict(ds.sources)
-    file_quant = None
-    if ds.zero_quantized_weights is not None or ds.zero_quantized_gradients is not None:
-        w, g = bool(ds.zero_quantized_weights), bool(ds.zero_quantized_gradients)
-        file_quant = "both" if w and g else "weights" if w else "gradients" if g else "off"
-    pins = {"--sp-size": (sp_size, ds.sp_size, "sp_size"), "--tp-size": (tp_size, ds.tp_size, "tp_size"),
-            "--zero-hpz": (zero_hpz, ds.zero_hpz, "zero_hpz"),
-            "--zero-quantize": (zero_quantize, file_quant, "zero_quantized_weights")}
-    for flag, (given, pinned, knob) in pins.items():
-        if given is not None and pinned is not None and given != pinned:
-            raise AdaptiveError(f"{flag} {given} contradicts {ds.path} ({sources.get(knob, pinned)}); "
-                                "drop the flag or edit the file")
-    return (sp_size if sp_size is not None else ds.sp_size, tp_size if tp_size is not None else ds.tp_size,
-            zero_hpz if zero_hpz is not None else ds.zero_hpz,
-            zero_quantize if zero_quantize is not None else file_quant)
-
-
-def load_ds_config(path: str, hidden_size: int) -> DsConfigInput:
-    """Read, check and parse a DeepSpeed JSON (--ds-config); AdaptiveError when it cannot be used."""
-    from adaptive.plan.ds_config_input import load as load_ds_file, parse as parse_ds_config
-
-    return parse_ds_config(load_ds_file(path), str(path), hidden_size)
 
 
 def request_from_config(config: RunConfig, *, model: str = "b7", calibrate: str | None = None) -> FitRequest:

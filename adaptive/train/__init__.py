@@ -1,2 +1,3 @@
-"""The training side: data, loop, checkpoints, export. Submodules import torch and HF libraries;
-import them directly (`from adaptive.train.data import build_datasets`)."""
+"""The training side, in four parts: `data` (text to micro-batches), `run` (size, build and step one
+run), `run_folder` (what a run leaves on disk) and `reporting` (what it shows). Modules import torch
+and HF libraries; import them directly (`from adaptive.train.data.packing import build_datasets`)."""

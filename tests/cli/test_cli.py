@@ -214,7 +214,7 @@ def test_output_cites_nothing_a_user_does_not_have(args):
 
 
 def test_fit_with_a_calibration_file_says_it_used_it(tmp_path):
-    from adaptive.plan.calibration import Calibration, signature, to_json
+    from adaptive.plan.estimate.calibration import Calibration, signature, to_json
 
     cal = tmp_path / "cal.json"
     cal.write_text(to_json(Calibration(signature(preset_spec("debug")), 64, (5000.0, 900.0), (9000.0, 1500.0),

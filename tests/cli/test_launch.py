@@ -131,7 +131,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
 
 def test_without_dry_run_the_printed_command_is_what_accelerates_launcher_runs(tmp_path):
     """run_launch hands the printed command, minus `accelerate launch`, to accelerate's own parser and launcher
-    (tests/train/test_run_safety.py runs it for real)."""
+    (tests/train/run_folder/test_run_safety.py runs it for real)."""
     from accelerate.commands.launch import launch_command_parser
 
     from adaptive import launch as launcher
@@ -205,6 +205,6 @@ def test_sp_tp_and_zero_plus_plus_pins_reach_the_recipe_and_deepspeed_accepts_th
     assert done.returncode == 0, done.stderr
     ds = json.loads(done.stdout)["ds_config"]
     assert section(ds), ds
-    from adaptive.train.runplan import check_with_deepspeed
+    from adaptive.train.run.runplan import check_with_deepspeed
 
     check_with_deepspeed(ds, 2)  # DeepSpeed's own DeepSpeedConfig takes every key

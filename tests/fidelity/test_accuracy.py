@@ -14,8 +14,8 @@ import pytest
 from adaptive.fidelity.compare import compare
 from adaptive.fidelity.measure import measure_step
 from adaptive.plan import make_request
-from adaptive.plan.memory import TrainSetup, estimate_memory
-from adaptive.plan.presets import ARCHS, preset_spec
+from adaptive.plan.estimate.memory import TrainSetup, estimate_memory
+from adaptive.plan.architecture.presets import ARCHS, preset_spec
 
 TOLERANCE = 0.05
 

@@ -1,4 +1,4 @@
-"""Eager attention's extra memory (adaptive/plan/attention.py) against our model class, counted.
+"""Eager attention's extra memory (adaptive/plan/estimate/attention.py) against our model class, counted.
 
 `adaptive fit --attention eager` adds Korthikanti's score-sized term in the form our blocks have it:
 6·a·s bytes per token per layer (fp32 softmax output + 16-bit probabilities), GQA's repeated k/v, no
@@ -10,8 +10,8 @@ import pytest
 
 from adaptive.fidelity.measure import run_phases
 from adaptive.plan import fit, make_request
-from adaptive.plan.attention import eager_extra_saved_bytes, eager_recompute_bytes
-from adaptive.plan.presets import Shape, spec_from_shape
+from adaptive.plan.estimate.attention import eager_extra_saved_bytes, eager_recompute_bytes
+from adaptive.plan.architecture.presets import Shape, spec_from_shape
 
 
 def spec(arch: str, heads: int, kv_heads: int, hidden: int = 256):

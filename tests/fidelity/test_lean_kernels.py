@@ -16,10 +16,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from adaptive.fidelity.compare import compare
 from adaptive.fidelity.measure import PeakBytes
-from adaptive.plan.gpus import get_gpu
-from adaptive.plan.memory import TrainSetup, estimate_memory
-from adaptive.plan.planner import FitRequest, fit
-from adaptive.plan.presets import Shape, preset_spec, spec_from_shape
+from adaptive.plan.hardware.gpus import get_gpu
+from adaptive.plan.estimate.memory import TrainSetup, estimate_memory
+from adaptive.plan.search.planner import FitRequest, fit
+from adaptive.plan.architecture.presets import Shape, preset_spec, spec_from_shape
 
 LLAMA3_VOCAB = 128_256
 SEQ = 8192

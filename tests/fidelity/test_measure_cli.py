@@ -9,8 +9,8 @@ import pytest
 from adaptive.fidelity.calibrate import measure_calibration
 from adaptive.fidelity.measure import measure_step
 from adaptive.plan import fit, make_request
-from adaptive.plan.calibration import to_json
-from adaptive.plan.memory import reduce_bucket_bytes
+from adaptive.plan.estimate.calibration import to_json
+from adaptive.plan.estimate.memory import reduce_bucket_bytes
 from tests.conftest import REPO_ROOT, subprocess_env
 
 QWEN2_MOE = dict(model_type="qwen2_moe", vocab_size=5003, hidden_size=256, intermediate_size=640,
@@ -118,7 +118,7 @@ def test_gpu_check_without_cuda_says_so_in_one_line():
 
 def test_calibration_measured_at_another_capacity_factor_is_refused(tmp_path):
     from adaptive.errors import AdaptiveError
-    from adaptive.plan.calibration import Calibration, signature
+    from adaptive.plan.estimate.calibration import Calibration, signature
 
     spec = make_request(model="debug", arch="moe", gpu="t4").spec
     path = tmp_path / "c.json"

@@ -6,7 +6,7 @@ import pytest
 
 from adaptive.errors import AdaptiveError
 from adaptive.models import AdaptiveConfig
-from adaptive.plan.presets import ARCHS, PRESETS, preset_spec
+from adaptive.plan.architecture.presets import ARCHS, PRESETS, preset_spec
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

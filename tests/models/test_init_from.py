@@ -14,8 +14,8 @@ from _model_helpers import tiny_model
 from adaptive.errors import AdaptiveError
 from adaptive.models import AdaptiveForCausalLM
 from adaptive.models.export import export_pretrained
-from adaptive.plan.hf_config import spec_from_hf_config
-from adaptive.train.init_from import check_source, load_init_weights, target_config
+from adaptive.plan.architecture.hf_config import spec_from_hf_config
+from adaptive.train.run_folder.init_from import check_source, load_init_weights, target_config
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)

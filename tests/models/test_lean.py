@@ -215,7 +215,7 @@ def test_moe_layer_saved_bytes_are_the_planned_formula(arch):
     formula is 6144 (MoE) and 5120 (hybrid) bytes over the count per layer, whatever the shape: small
     per-layer constants of the router, under 0.4% at debug's shape (0.03% at debug_200m)."""
     from adaptive.models import AdaptiveConfig
-    from adaptive.plan.activations import layer_bytes
+    from adaptive.plan.estimate.activations import layer_bytes
 
     seq, counted = 512, {}
     for kernels in ("lean", "plain"):
@@ -278,7 +278,7 @@ def test_lean_dense_layer_saves_at_most_065x_of_transformers_llama_at_b1_shape()
     ours_bytes, llama_bytes = per_layer(ours), per_layer(llama)
     assert 0 < ours_bytes <= 0.65 * llama_bytes, (ours_bytes, llama_bytes)
     # the planner's lean formula is the count, byte for byte
-    from adaptive.plan.activations import dense_layer_bytes
+    from adaptive.plan.estimate.activations import dense_layer_bytes
 
     assert ours_bytes == seq * dense_layer_bytes(b1.to_spec(), kernels="lean")
     assert llama_bytes == seq * dense_layer_bytes(b1.to_spec(), kernels="plain")

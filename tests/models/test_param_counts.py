@@ -12,8 +12,8 @@ from _model_helpers import tiny_config
 
 from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
 from adaptive.models.moe import from_deepspeed_layout, to_deepspeed_layout
-from adaptive.plan.params import count_params
-from adaptive.plan.presets import ARCHS, PRESETS
+from adaptive.plan.architecture.params import count_params
+from adaptive.plan.architecture.presets import ARCHS, PRESETS
 
 
 def active_params(model: AdaptiveForCausalLM) -> int:

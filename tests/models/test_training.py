@@ -115,7 +115,7 @@ def test_training_step_has_no_host_sync_so_it_runs_on_meta(arch):
     # meta tensors have no values: any .item()/bool()/tolist() in the training forward or backward would raise.
     # (The planner can also count saved activations on meta for full-size shapes.)
     from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
-    from adaptive.plan.presets import layer_pattern
+    from adaptive.plan.architecture.presets import layer_pattern
 
     config = AdaptiveConfig.from_preset("b1", arch=arch, num_hidden_layers=2, block_types=list(layer_pattern(arch, 2)))
     with torch.device("meta"):

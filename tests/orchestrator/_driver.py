@@ -19,7 +19,7 @@ import sys
 import torch
 
 from adaptive.models.checkpointing import checkpointing_policy
-from adaptive.train.callbacks import Callback
+from adaptive.train.run.callbacks import Callback
 from adaptive.recipe import main
 from tests.train._driver import Recorder
 

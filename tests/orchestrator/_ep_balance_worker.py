@@ -26,7 +26,7 @@ def train(balance: bool, steps: int, rate: float, rank: int) -> dict:
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    from adaptive.train.setup import reinit_local_experts
+    from adaptive.train.run.setup import reinit_local_experts
 
     model = skewed_moe(moe_implementation="deepspeed", ep_size=2)
     reinit_local_experts(model, seed=0)  # each rank draws its own experts; the gates stay replicated

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
-from adaptive.train.callbacks import CallbackList, Control, Knobs, TrainerState
+from adaptive.train.run.callbacks import CallbackList, Control, Knobs, TrainerState
 
 VOCAB = 128
 TINY_MOE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, block_types=["moe", "moe"],

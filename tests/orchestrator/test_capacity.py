@@ -102,7 +102,7 @@ def test_a_low_memory_budget_caps_the_capacity_factor(runs):
 
 
 def test_capacity_is_lowered_when_nothing_drops_and_memory_is_tight(plan):
-    from adaptive.train.callbacks import Control, TrainerState
+    from adaptive.train.run.callbacks import Control, TrainerState
     from adaptive.orchestrator.capacity import CapacityPolicy
     from adaptive.orchestrator.events import EventLog
     from adaptive.orchestrator.monitor import Monitor, Signals

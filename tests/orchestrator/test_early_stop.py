@@ -11,7 +11,7 @@ from adaptive.errors import AdaptiveError
 from adaptive.orchestrator import orchestrator_config
 from adaptive.orchestrator.early_stop import EarlyStopConfig, EarlyStopPolicy
 from adaptive.orchestrator.events import EventLog, read_events
-from adaptive.train.callbacks import Control, TrainerState
+from adaptive.train.run.callbacks import Control, TrainerState
 from tests.orchestrator._harness import knobs
 from tests.orchestrator._launch import run_one
 

@@ -11,7 +11,7 @@ import torch
 
 from adaptive.errors import AdaptiveError
 from adaptive.orchestrator import POLICY_NAMES, OrchestratorConfig, orchestrator_config, policies
-from adaptive.train.callbacks import Control, TrainerState
+from adaptive.train.run.callbacks import Control, TrainerState
 from adaptive.orchestrator.ep_advice import EPAdviceConfig, recommend_ep_size, valid_ep_sizes
 from adaptive.orchestrator.events import EventLog
 from adaptive.orchestrator.guard import GuardConfig, GuardPolicy
@@ -245,7 +245,7 @@ def test_no_host_sync_between_log_steps():
         dropped_fraction=torch.zeros(len(gates), device="meta"), mod_skip_rate=torch.zeros(2, device="meta"),
         mod_router_agreement=torch.zeros(2, device="meta")))
     chain = policies()
-    from adaptive.train.callbacks import CallbackList
+    from adaptive.train.run.callbacks import CallbackList
 
     callbacks = CallbackList(chain)
     state = TrainerState(max_steps=100, knobs=knobs(), output_dir=None, model=model)

@@ -173,7 +173,7 @@ def test_a_ds_config_that_is_no_json_object_is_one_line(tmp_path, capsys, raw, n
 def _plan_recipe(ds_path, env=None):
     from adaptive.config.commandline import parse
     from adaptive.plan import get_gpu
-    from adaptive.train.runplan import Device, World, plan_run
+    from adaptive.train.run.runplan import Device, World, plan_run
 
     flags = ["--ds-config", str(ds_path)] if ds_path else []
     return plan_run(parse("train", flags), "b1", "dense", World(8, 8), Device("cuda", get_gpu("a100-80gb")), env or {})
@@ -197,7 +197,7 @@ def test_the_recipes_read_the_ds_config_with_the_same_reader(tmp_path, cfg, need
     ({"zero_optimization": {"stage": 1}, "amp": {"enabled": True}}, "DeepSpeed refuses the config: NVIDIA Apex AMP"),
 ])
 def test_deepspeed_itself_checks_what_our_reader_passes(tmp_path, cfg, needle):
-    from adaptive.train.runplan import check_with_deepspeed
+    from adaptive.train.run.runplan import check_with_deepspeed
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(cfg))
@@ -206,7 +206,7 @@ def test_deepspeed_itself_checks_what_our_reader_passes(tmp_path, cfg, needle):
 
 
 def test_deepspeed_accepts_what_the_planner_emits():
-    from adaptive.train.runplan import check_with_deepspeed
+    from adaptive.train.run.runplan import check_with_deepspeed
 
     check_with_deepspeed(_plan_recipe(None).ds_config, 8)
     check_with_deepspeed(_plan_recipe(REPO_ROOT / "ds_configs" / "zero3_offload_all.json").ds_config, 8)
@@ -341,7 +341,7 @@ GOOD_ROW = json.dumps({"text": "the cynic wit folly virtue " * 20})
 ])
 @pytest.mark.parametrize("streaming", [False, True])
 def test_a_bad_row_names_its_file_line_and_field(tmp_path, line, needle, streaming):
-    from adaptive.train.data import DataConfig, load_text_dataset
+    from adaptive.train.data.sources import DataConfig, load_text_dataset
 
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join([GOOD_ROW] * 3 + [line] + [GOOD_ROW] * 3) + "\n")
@@ -350,7 +350,7 @@ def test_a_bad_row_names_its_file_line_and_field(tmp_path, line, needle, streami
 
 
 def test_binary_garbage_and_a_json_array_file(tmp_path):
-    from adaptive.train.data import DataConfig, load_text_dataset
+    from adaptive.train.data.sources import DataConfig, load_text_dataset
 
     garbage = tmp_path / "garbage.jsonl"
     garbage.write_bytes(b"\x00\x01\xff\xfe\x80garbage\n")
@@ -363,8 +363,9 @@ def test_binary_garbage_and_a_json_array_file(tmp_path):
 
 
 def test_an_empty_file_is_one_line(tmp_path):
-    from adaptive.train.data import DataConfig, build_datasets
-    from adaptive.train.tokenizer import load_tokenizer
+    from adaptive.train.data.packing import build_datasets
+    from adaptive.train.data.sources import DataConfig
+    from adaptive.train.data.tokenizer import load_tokenizer
 
     empty = tmp_path / "empty.jsonl"
     empty.write_bytes(b"")

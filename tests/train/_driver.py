@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from adaptive.train.callbacks import Callback
+from adaptive.train.run.callbacks import Callback
 from adaptive.recipe import main
 
 

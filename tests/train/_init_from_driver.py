@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from adaptive.recipe import main
-from adaptive.train.callbacks import Callback
+from adaptive.train.run.callbacks import Callback
 
 
 class ReferenceLoss(Callback):

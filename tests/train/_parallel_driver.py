@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from adaptive.recipe import Recipe
-from adaptive.train.callbacks import Callback
+from adaptive.train.run.callbacks import Callback
 
 
 def shape(weight) -> list[int]:

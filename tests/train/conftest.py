@@ -27,7 +27,7 @@ def adaptive_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokenizer(adaptive_cache):
     """The built-in tokenizer (vocab 2048), built once per session."""
-    from adaptive.train.tokenizer import load_tokenizer
+    from adaptive.train.data.tokenizer import load_tokenizer
 
     return load_tokenizer(None)
 

@@ -1,0 +1,316 @@
+"""What a plan writes: the DeepSpeed config, the accelerate config, and the plan as JSON.
+
+Pure functions returning dicts/strings; the CLI writes them. Every ds_config is checked against
+DeepSpeed's own `DeepSpeedConfig` in tests/plan/ds_config/test_emit.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from adaptive.durable import atomic_write_text
+from adaptive.errors import AdaptiveError
+from adaptive.plan.estimate import memory as mem
+from adaptive.plan.search.advice import OVERHEAD_SOURCE
+from adaptive.plan.hardware.gpus import GPU
+from adaptive.plan.estimate.memory import TrainSetup, reduce_bucket_elements
+from adaptive.plan.architecture.params import count_params
+from adaptive.plan.search.planner import Candidate, Plan
+from adaptive.plan.search.tight import TIGHT_MARGIN
+
+GRADIENT_CLIPPING = 1.0
+JSON_SCHEMA_VERSION = 1
+
+
+def ds_config(setup: TrainSetup, grad_accum: int, gpu: GPU) -> dict:
+    """A DeepSpeed config for one setup. The optimizer and LR schedule are built by the training
+    loop (torch AdamW or DeepSpeedCPUAdam under offload, transformers' cosine schedule), so the
+    file holds only what DeepSpeed itself must know."""
+    dp = setup.dp_size  # DeepSpeed counts the batch per data-parallel replica (an SP or TP group is one)
+    zero: dict = {"stage": setup.zero_stage}
+    if setup.zero_stage > 0:
+        zero.update(overlap_comm=True, contiguous_gradients=True,
+                    reduce_bucket_size=reduce_bucket_elements(count_params(setup.spec)))
+    if setup.zero_stage in (1, 2):
+        zero.update(allgather_bucket_size=mem.ALLGATHER_BUCKET_ELEMENTS, reduce_scatter=True)
+    if setup.zero_stage == 3:
+        zero.update(stage3_prefetch_bucket_size=mem.STAGE3_PREFETCH_ELEMENTS,
+                    stage3_max_live_parameters=mem.STAGE3_MAX_LIVE_PARAMETERS,
+                    stage3_max_reuse_distance=mem.STAGE3_MAX_LIVE_PARAMETERS,
+                    stage3_param_persistence_threshold=100_000,
+                    stage3_gather_16bit_weights_on_model_save=True)
+        # ZeRO++ (runtime/zero/config.py; read only by ZeRO-3's partitioning and stage3.py)
+        if setup.zero_hpz > 1:
+            zero["zero_hpz_partition_size"] = setup.zero_hpz
+        if setup.zero_quantized_weights:
+            zero["zero_quantized_weights"] = True
+        if setup.zero_quantized_gradients:
+            zero["zero_quantized_gradients"] = True
+    if setup.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if setup.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    cfg: dict = {
+        "train_batch_size": setup.micro_batch_size * grad_accum * dp,
+        "train_micro_batch_size_per_gpu": setup.micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": GRADIENT_CLIPPING,
+        "zero_optimization": zero,
+        "steps_per_print": 100,
+        "wall_clock_breakdown": False,
+    }
+    if setup.sp_size > 1:
+        # Ulysses: DeepSpeedConfig divides the world by it when no mpu is given (runtime/config.py:468);
+        # UlyssesSPAttentionHF.register_with_transformers takes the same size
+        cfg["sequence_parallel_size"] = setup.sp_size
+    if setup.tp_size > 1:
+        # AutoTP training (runtime/tensor_parallel/config.py TPTrainingConfig); deepspeed.initialize shards
+        cfg["tensor_parallel"] = {"autotp_size": setup.tp_size}
+    if gpu.bf16:
+        cfg["bf16"] = {"enabled": True}
+    else:
+        # T4 and older: fp16 with dynamic loss scaling
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
+                       "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+    return cfg
+
+
+# ds_configs/*.json: (ZeRO stage, offload, arch the setup is built for). MoE plans stop at ZeRO-2.
+PRESET_DS_CONFIGS = {
+    "zero0": (0, "none", "dense"),
+    "zero1": (1, "none", "dense"),
+    "zero2": (2, "none", "dense"),
+    "zero3": (3, "none", "dense"),
+    "zero2_offload_optimizer": (2, "optimizer", "dense"),
+    "zero3_offload_optimizer": (3, "optimizer", "dense"),
+    "zero3_offload_all": (3, "all", "dense"),
+    "zero2_moe": (2, "none", "moe"),
+}
+
+
+def preset_ds_configs() -> dict[str, dict]:
+    """The checked-in ds_configs/*.json: `ds_config` for each ZeRO/offload preset, with the batch
+    sizes and the precision left "auto" for accelerate (or the recipes) to fill per run."""
+    from adaptive.plan.hardware.gpus import CATALOG
+    from adaptive.plan.architecture.presets import preset_spec
+
+    gpu = CATALOG["a100-80gb"]  # any bf16 GPU: the precision sections are replaced below
+    out = {}
+    for name, (zero, offload, arch) in PRESET_DS_CONFIGS.items():
+        setup = TrainSetup(spec=preset_spec("debug", arch), seq_len=2048, micro_batch_size=1, zero_stage=zero,
+                           offload_optimizer=offload in ("optimizer", "all"), offload_params=offload == "all",
+                           gradient_checkpointing=False)
+        cfg = ds_config(setup, 1, gpu)
+        if "reduce_bucket_size" in cfg["zero_optimization"]:  # generic files: not sized to the debug model
+            cfg["zero_optimization"]["reduce_bucket_size"] = mem.REDUCE_BUCKET_ELEMENTS
+        cfg.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto")
+        cfg.pop("bf16", None)
+        cfg["bf16"] = {"enabled": "auto"}
+        cfg["fp16"] = {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                       "hysteresis": 2, "min_loss_scale": 1}
+        out[name] = cfg
+    return out
+
+
+def accelerate_config(setup: TrainSetup, ds_config_path: str) -> dict:
+    """accelerate's ClusterConfig fields for a DeepSpeed launch of this setup. Tensor and sequence parallel
+    sizes travel in the ds_config (`tensor_parallel.autotp_size`, `sequence_parallel_size`), not in
+    accelerate's `parallelism_config`: `accelerate launch` refuses that without FSDP2
+    (accelerate/commands/launch.py `_validate_launch_command`)."""
+    cfg = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "DEEPSPEED",
+        "deepspeed_config": {
+            "deepspeed_config_file": ds_config_path,
+            "zero3_init_flag": setup.zero_stage == 3,
+        },
+        "machine_rank": 0,
+        "num_machines": setup.num_nodes,
+        "num_processes": setup.world_size,
+        "main_training_function": "main",
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+    }
+    if setup.num_nodes > 1:
+        cfg["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
+        cfg["main_process_ip"] = "MAIN_NODE_IP"
+        cfg["main_process_port"] = 29500
+    return cfg
+
+
+def to_yaml(data: dict, indent: int = 0) -> str:
+    """Block-style YAML for nested dicts of scalars (the core install has no YAML library)."""
+    lines = []
+    pad = "  " * indent
+    for key, value in data.items():
+        if isinstance(value, dict):
+            lines.append(f"{pad}{key}:")
+            lines.append(to_yaml(value, indent + 1).rstrip("\n"))
+        else:
+            lines.append(f"{pad}{key}: {json.dumps(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def candidate_dict(c: Candidate) -> dict:
+    s = c.setup
+    t = c.throughput
+    return {
+        "zero_stage": s.zero_stage,
+        "offload_optimizer": s.offload_optimizer,
+        "offload_params": s.offload_params,
+        "micro_batch_size": s.micro_batch_size,
+        "gradient_accumulation_steps": c.grad_accum,
+        "seq_len": s.seq_len,
+        "gradient_checkpointing": s.gradient_checkpointing,
+        "checkpointing": s.checkpointing,  # off | full | a selective policy (mlp, every:N)
+        "kernels": s.kernels,
+        "ep_size": s.ep_size,
+        "tp_size": s.tp_size,
+        "sp_size": s.sp_size,
+        "dp_size": s.dp_size,
+        "zero_hpz": s.zero_hpz,
+        "zero_quantized_weights": s.zero_quantized_weights,
+        "zero_quantized_gradients": s.zero_quantized_gradients,
+        "memory": dict(c.memory.parts),
+        "memory_phases": {"persistent": c.memory.persistent_bytes, "backward": c.memory.backward_bytes,
+                          "optimizer_step": c.memory.step_bytes, "peak_phase": c.memory.peak_phase},
+        "activation_bytes": c.memory.saved_bytes,
+        "model_state_bytes": c.memory.model_state_bytes,
+        "peak_gpu_bytes": c.memory.peak_gpu_bytes,
+        "host_bytes": c.memory.host_bytes_per_node,
+        "fits_gpu": c.fits_gpu,
+        "fits_host": c.fits_host,
+        "tokens_per_second": t.tokens_per_second,
+        "mfu_assumed": t.utilisation,  # kept for schema v1: the same figure as hfu_assumed
+        "hfu_assumed": t.utilisation,
+        "mfu_predicted": t.mfu,
+        "model_flops_per_token": t.model_flops_per_token,
+        "hardware_flops_per_token": t.hardware_flops_per_token,
+        "step_seconds": t.step_seconds,
+        "step_breakdown_seconds": {"compute": t.compute_seconds, "data_parallel_comm": t.comm_seconds,
+                                   "tp_allreduce": t.tp_allreduce_seconds, "sp_alltoall": t.sp_alltoall_seconds,
+                                   "moe_alltoall": t.alltoall_seconds, "offload": t.offload_seconds},
+        "data_parallel_comm_total_seconds": t.comm_total_seconds,
+    }
+
+
+def plan_dict(plan: Plan) -> dict:
+    """The stable `--json` schema (README documents it)."""
+    req = plan.request
+    c = plan.shown
+    spec = req.spec
+    out = {
+        "schema_version": JSON_SCHEMA_VERSION,
+        "fits": plan.fits,
+        "model": spec.name,
+        "arch": spec.arch,
+        "model_source": spec.source,
+        "gpu": req.gpu.name,
+        "num_gpus": req.world_size,
+        "gpus_per_node": req.gpus_per_node,
+        "num_nodes": req.num_nodes,
+        "precision": "bf16" if req.gpu.bf16 else "fp16",
+        "params_total": plan.counts.total,
+        "params_active": plan.counts.active,
+        **candidate_dict(c),
+        "gpu_capacity_bytes": req.gpu.memory_bytes,
+        "host_capacity_bytes": plan.host_mem_bytes,
+        "global_batch_tokens": c.setup.seq_len * c.setup.micro_batch_size * c.grad_accum * c.setup.dp_size,
+        "train_tokens": plan.train_tokens,
+        "train_hours": plan.hours,
+        "price_per_gpu_hour": req.gpu.price_per_hour,
+        "cost_usd": plan.cost,
+        "cost_per_1b_tokens_usd": plan.cost / plan.train_tokens * 1e9,
+        "ladder": [{"change": s.change, "peak_gpu_bytes": s.peak_gpu_bytes, "fits": s.fits, "fits_gpu": s.fits_gpu}
+                   for s in plan.ladder],
+        "orchestrator": {"recommended": plan.orchestrator.recommended, "reason": plan.orchestrator.reason,
+                         "measured_overhead": {"time_fraction": plan.orchestrator.overhead_time_fraction,
+                                               "memory_bytes": plan.orchestrator.overhead_memory_bytes,
+                                               "source": OVERHEAD_SOURCE}},
+        "suggestions": list(plan.suggestions),
+        "assumptions": assumptions(plan),
+        "optimizer": req.optimizer,
+        "attention": req.attention,
+        "tight": plan.tight,
+        "tight_margin": TIGHT_MARGIN,
+        "tight_decided_by": plan.tight_part,
+        "calibrated": list(req.calibrated),
+        "calibration_source": req.calibration_source,
+        "ds_config": ds_config_dict(plan),
+    }
+    return out
+
+
+def ds_config_dict(plan: Plan) -> dict | None:
+    """What a --ds-config file set, and which memory parts it drives."""
+    ds = plan.request.ds_config
+    if ds is None:
+        return None
+    from adaptive.plan.ds_config.reader import drivers
+
+    c = plan.shown
+    return {"path": ds.path, "set": [{"knob": k, "from": v} for k, v in ds.sources],
+            "ignored": list(ds.ignored),
+            "drives": [{"part": part, "bytes": n, "from": why}
+                       for part, n, why in drivers(ds, c.memory.parts, c.setup.zero_stage)]}
+
+
+PARALLELISM_ASSUMPTIONS = (
+    "data parallel with ZeRO, expert parallel (MoE), AutoTP tensor parallel inside a node, Ulysses sequence "
+    "parallel and ZeRO++, as DeepSpeed 0.19.8 runs them; no pipeline parallelism (so no pipeline bubble): "
+    "DeepSpeed's pipeline engine needs a PipelineModule, which transformers models are not. AutoTP's "
+    "all-reduces and Ulysses' all-to-alls are not overlapped with compute; ZeRO's collectives are, as "
+    "overlap_comm and ZeRO-3 prefetch schedule them (adaptive.plan.estimate.throughput)")
+
+
+def assumptions(plan: Plan) -> dict:
+    from adaptive.plan.estimate import throughput as tp
+    from adaptive.plan.hardware.figures import NCCL_BUS_EFFICIENCY
+    from adaptive.plan.hardware.gpus import figures
+
+    hw = figures(plan.request.gpu.name)
+    return {
+        "mfu": plan.shown.throughput.utilisation,  # schema v1 name: the assumed hardware utilisation
+        "hfu": plan.shown.throughput.utilisation,
+        "hfu_source": "given (--mfu)" if plan.request.mfu is not None else hw.hfu_source,
+        "cuda_context_bytes": mem.CUDA_CONTEXT_BYTES,
+        "fragmentation_fraction": mem.FRAGMENTATION,
+        "host_mem_bytes_per_node": plan.host_mem_bytes,
+        "intranode_gbps_per_gpu": plan.request.gpu.link_gbps,
+        "intranode_link": f"{plan.request.gpu.link}; {hw.intra_node_source}",
+        "internode_gbps_per_gpu": hw.inter_node_gbps,
+        "internode_link": f"{hw.inter_node} ({hw.inter_node_source})",
+        "nccl_bus_efficiency": NCCL_BUS_EFFICIENCY,
+        "host_link_gbps": tp.HOST_LINK_GBPS,
+        "cpu_adam_params_per_second": tp.CPU_ADAM_PARAMS_PER_S,
+        "capacity_factor": plan.request.capacity_factor,
+        "train_tokens_rule": "given" if plan.request.train_tokens else "20 x active params (Chinchilla)",
+        "activations": (f"measured (calibration at seq {plan.request.calibration.seq_len}, scaled per token)"
+                        if plan.request.calibration else "formula (adaptive.plan.estimate.activations)"),
+        "parallelism": PARALLELISM_ASSUMPTIONS,
+    }
+
+
+def write_plan_files(plan: Plan, out_dir: str | Path) -> dict[str, Path]:
+    """ds_config.json, accelerate_config.yaml and plan.json in `out_dir`; returns their paths. A plan that does
+    not fit gets plan.json alone (the closest configuration and what would fit): configs to launch a run that
+    would not fit are not written."""
+    out = Path(out_dir)
+    c = plan.shown
+    ds_path = out / "ds_config.json"
+    acc_path = out / "accelerate_config.yaml"
+    plan_path = out / "plan.json"
+    if out.exists() and not out.is_dir():
+        raise AdaptiveError(f"cannot write the plan files into {str(out)!r}: it is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(plan_path, json.dumps(plan_dict(plan), indent=2) + "\n")
+        if not plan.fits:
+            return {"plan": plan_path}
+        atomic_write_text(ds_path, json.dumps(ds_config(c.setup, c.grad_accum, plan.request.gpu), indent=2) + "\n")
+        atomic_write_text(acc_path, to_yaml(accelerate_config(c.setup, str(ds_path.resolve()))))
+    except OSError as e:  # a file where the folder should be, no permission, a full disk: bad input, not a crash
+        raise AdaptiveError(f"cannot write the plan files into {str(out)!r}: {e.strerror or e}") from None
+    return {"ds_config": ds_path, "accelerate_config": acc_path, "plan": plan_path}

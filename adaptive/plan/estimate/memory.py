@@ -1,0 +1,377 @@
+"""Per-GPU memory of one DeepSpeed training step, in bytes, part by part.
+
+Model states follow DeepSpeed's own accounting (its `estimate_zero{2,3}_model_states_mem_needs`,
+checked in tests/plan/estimate/test_memory_vs_deepspeed.py). Activations are counted tensor by tensor for
+our blocks (see activations.py). Everything else is a stated allowance.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from adaptive.errors import AdaptiveError
+from adaptive.plan.estimate.activations import (
+    activation_bytes,
+    backward_peak_bytes,
+    loss_saved_bytes_per_token,
+    loss_working_bytes,
+)
+from adaptive.plan.estimate.attention import eager_extra_saved_bytes, eager_recompute_bytes
+from adaptive.plan.estimate.optimizers import step_transient_bytes
+from adaptive.plan.estimate.parallel import tp_activation_factor, tp_sharded_params
+from adaptive.plan.architecture.params import ParamCounts, count_params
+from adaptive.plan.architecture.presets import ModelSpec
+from adaptive.record import record
+
+if TYPE_CHECKING:  # `adaptive fit` without --calibrate does not import it
+    from adaptive.plan.estimate.calibration import Calibration
+
+GiB = 2**30
+
+# Allowances a plan adds on top of what tensors need.
+CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context, cuBLAS/cuDNN workspaces, NCCL: ~0.5-1 GiB seen
+FRAGMENTATION = 0.05  # caching-allocator fragmentation as a fraction of allocated bytes
+
+# DeepSpeed buckets we write into every ds_config.json (emit.py reads these too).
+REDUCE_BUCKET_ELEMENTS = 200_000_000
+ALLGATHER_BUCKET_ELEMENTS = 200_000_000
+STAGE3_PREFETCH_ELEMENTS = 50_000_000
+STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
+
+# CPU-side buffer factor DeepSpeed's estimators apply to host memory.
+HOST_BUFFER_FACTOR = 1.5
+
+
+@record
+class TrainSetup:
+    """One candidate configuration, as the memory and throughput models see it."""
+
+    spec: ModelSpec
+    seq_len: int
+    micro_batch_size: int
+    zero_stage: int
+    offload_optimizer: bool
+    offload_params: bool
+    gradient_checkpointing: bool
+    gpus_per_node: int = 1
+    num_nodes: int = 1
+    ep_size: int = 1
+    capacity_factor: float = 1.0
+    bytes_per_param: int = 2  # bf16 or fp16 weights and activations
+    calibration: Calibration | None = None  # measured activations replace the formula
+    gradient_accumulation_steps: int = 1  # ZeRO-0/1 hold every 16-bit gradient between boundaries
+    optimizer: str = "auto"  # optimizers.py: its step's transient (foreach AdamW keeps an fp32 temporary)
+    attention: str = "sdpa"  # attention.py: eager keeps the score-sized tensors
+    # DeepSpeed buckets in elements; None: what our emitter writes (REDUCE_BUCKET_ELEMENTS etc., capped
+    # by the model size). A user's ds_config (--ds-config) sets them, uncapped, as DeepSpeed allocates.
+    reduce_bucket_elements: int | None = None
+    allgather_bucket_elements: int | None = None
+    prefetch_bucket_elements: int | None = None
+    overlap_comm: bool = True  # ZeRO-1/2 double-buffer the reduce bucket with overlap_comm
+    fp16: bool = False  # fp16 with loss scaling (no bf16 on the GPU): DeepSpeed's FP16_Optimizer at ZeRO-0
+    kernels: str = "lean"  # adaptive's lean blocks, or "plain" (transformers' Llama ops): activations.py
+    checkpoint_policy: str | None = None  # selective checkpointing ("mlp", "every:N") when not full
+    # beyond data parallelism (parallel.py): GPUs per model replica are tp x sp; ZeRO++ on ZeRO-3
+    tp_size: int = 1  # AutoTP
+    sp_size: int = 1  # Ulysses sequence parallel
+    zero_hpz: int = 1  # zero_hpz_partition_size (1: off)
+    zero_quantized_weights: bool = False
+    zero_quantized_gradients: bool = False
+
+    @property
+    def checkpointing(self) -> str:
+        """The policy in force: "full", a selective one, or "off"."""
+        if self.gradient_checkpointing:
+            return "full"
+        return self.checkpoint_policy or "off"
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.num_nodes
+
+    @property
+    def dp_size(self) -> int:
+        """Model replicas: each takes its own sequences; an SP group shares one sequence, a TP group one batch."""
+        return self.world_size // (self.tp_size * self.sp_size)
+
+    @property
+    def zero_group_size(self) -> int:
+        """GPUs ZeRO partitions over: data and sequence parallel ranks hold the same parameters
+        (engine.py: dp_process_group=self.seq_data_parallel_group), TP ranks different shards."""
+        return self.world_size // self.tp_size
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Tokens of one micro-batch of one model replica (its sp x tp GPUs share them)."""
+        return self.seq_len * self.micro_batch_size
+
+
+@record
+class MemoryEstimate:
+    """Every part at its full size, and the peak, which counts only parts that coexist.
+
+    A step has two moments that can peak: the start of backward (persistent states + activations,
+    logits and the backward working set) and the optimizer step (persistent states + the gradients
+    DeepSpeed materialises for it). Measured on DeepSpeed's own ZeRO code (tests/plan), the two
+    never overlap, so peak = persistent + max(backward, optimizer step) + allowances.
+    """
+
+    parts: dict[str, int]  # part -> bytes per GPU, each at its full size
+    persistent_bytes: int  # held for the whole step
+    backward_bytes: int  # on top of persistent at the start of backward
+    step_bytes: int  # on top of persistent during the optimizer step
+    peak_gpu_bytes: int  # persistent + max(backward, step) + fragmentation + CUDA context
+    host_bytes_per_node: int  # CPU RAM the offloaded states need on each node (0 without offload)
+    saved_bytes: int = 0  # what autograd holds at the end of forward (plain: the log-softmax included)
+
+    @property
+    def peak_phase(self) -> str:
+        return "backward" if self.backward_bytes >= self.step_bytes else "optimizer_step"
+
+    @property
+    def allocated_peak_bytes(self) -> int:
+        """The peak without the allowances: what `torch.cuda.max_memory_allocated` would show."""
+        return self.persistent_bytes + max(self.backward_bytes, self.step_bytes)
+
+    @property
+    def model_state_bytes(self) -> int:
+        """params + grads + optimizer (+ ZeRO-3 gathered layer): DeepSpeed's estimator's quantity."""
+        return sum(self.parts.get(k, 0) for k in ("params", "grads", "optimizer", "zero3_live_params",
+                                                  "hpz_secondary_params"))
+
+
+def _sizes(setup: TrainSetup, c: ParamCounts) -> tuple[float, float]:
+    """(16-bit params held per GPU, params in this GPU's ZeRO partition).
+
+    Expert parameters live on ep_size-way shards: each GPU holds E/ep experts, and their ZeRO
+    partition runs over the expert-data-parallel group of world/ep GPUs, so every parameter's
+    optimizer state ends up split n ways.
+    """
+    dense = c.total - c.expert
+    local = dense + c.expert / setup.ep_size
+    partition = c.total / setup.world_size
+    if setup.tp_size > 1:
+        # AutoTP shards every linear and embedding (experts' linears too); the norms stay whole on each TP
+        # rank. ZeRO then partitions each rank's share over world/tp GPUs: P/world, plus the norm copies.
+        replicated = c.total - tp_sharded_params(setup.spec, c.total)
+        local = (local - replicated) / setup.tp_size + replicated
+        partition = (c.total + replicated * (setup.tp_size - 1)) / setup.world_size
+    return local, partition
+
+
+def model_state_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> dict[str, int]:
+    """16-bit params, gradients and optimizer states per GPU, and the ZeRO-3 gathered layer.
+
+    DeepSpeed's accounting (its estimators, ZeRO paper), bytes per parameter: 2 for 16-bit params;
+    optimizer 12 = fp32 master 4 + Adam m 4 + v 4 over the partition; grads 6 over the partition for
+    ZeRO-1/2 (16-bit partition 2 + fp32 4), 4 for ZeRO-3 (the fp32 copy; the 16-bit partition is the
+    separate `zero3_grad_partition` part, which DeepSpeed's ZeRO-3 estimate leaves out); ZeRO-0
+    keeps full 16-bit grads (2) and builds full fp32 grads (4) for the step. ZeRO-3 gathers up to
+    4 bytes x the largest layer.
+    """
+    c = counts or count_params(setup.spec)
+    local, partition = _sizes(setup, c)
+    stage = setup.zero_stage
+    live = 0.0
+    if stage == 0:
+        params, grads, optim = 2 * local, 6 * local, 12 * local
+    elif stage in (1, 2):
+        params, grads, optim = 2 * local, 6 * partition, 12 * partition
+    elif stage == 3:
+        params, grads, optim = 2 * partition, 4 * partition, 12 * partition
+        live = 4 * c.largest_layer / setup.tp_size  # AutoTP shards the largest module too
+    else:
+        raise ValueError(f"zero_stage must be 0-3, got {stage}")
+    if setup.offload_optimizer:
+        # grads stream to the CPU in buckets; fp32 master, moments and grads live in host RAM
+        grads, optim = 0.0, 0.0
+    if setup.offload_params:
+        params = 0.0  # ZeRO-3 fetches each layer from host RAM into the gathered-layer buffer
+    # hpZ (ZeRO++): a secondary 16-bit copy of the parameters, partitioned over zero_hpz GPUs of a node,
+    # that backward gathers from within the node (partition_parameters.py _partition_param_sec: param.dtype)
+    secondary = 2 * local / setup.zero_hpz if stage == 3 and setup.zero_hpz > 1 and not setup.offload_params else 0.0
+    return {"params": int(params), "grads": int(grads), "optimizer": int(optim),
+            "zero3_live_params": int(live), "hpz_secondary_params": int(secondary)}
+
+
+def host_bytes_per_node(setup: TrainSetup, counts: ParamCounts | None = None) -> int:
+    """Host RAM for offloaded states, DeepSpeed's estimator formulas (zero_init=True for ZeRO-3)."""
+    if not (setup.offload_optimizer or setup.offload_params):
+        return 0
+    c = counts or count_params(setup.spec)
+    p = c.total
+    if setup.zero_stage == 3:
+        per_param = 18 if setup.offload_params else 16
+        return int(p * per_param / setup.num_nodes * HOST_BUFFER_FACTOR)
+    # ZeRO-1/2 with optimizer offload: max(4 bytes x GPUs, 16) per param of a replica, the GPUs being the
+    # group that replicates it (with AutoTP: per TP slice of P/tp params over its world/tp GPUs, tp slices).
+    # Routed experts are replicated only over the expert-data-parallel group (ep_size times fewer GPUs):
+    # each is one expert-parallel shard's, not every GPU's.
+    expert_group = max(1, setup.zero_group_size // setup.ep_size)
+    per_replica = (p - c.expert) * max(4 * setup.zero_group_size, 16) + c.expert * max(4 * expert_group, 16)
+    return int(per_replica * HOST_BUFFER_FACTOR / setup.num_nodes)
+
+
+def reduce_bucket_elements(counts: ParamCounts) -> int:
+    """The gradient bucket we configure: 200M elements, or the model size if smaller."""
+    return min(REDUCE_BUCKET_ELEMENTS, counts.total)
+
+
+def comm_buffer_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> int:
+    """DeepSpeed's communication buckets: ours are capped by the size of what they carry; a user's
+    ds_config's are allocated at the size it gives (DeepSpeed's `torch.empty(reduce_bucket_size)`)."""
+    c = counts or count_params(setup.spec)
+    b = setup.bytes_per_param
+    reduce_elems = setup.reduce_bucket_elements or reduce_bucket_elements(c)
+    if setup.zero_stage in (1, 2):
+        # an all-gather bucket for the updated params when there is more than one GPU, plus the
+        # reduce buckets (reduce_bucket_bytes), which live during backward only
+        gather_elems = setup.allgather_bucket_elements or ALLGATHER_BUCKET_ELEMENTS
+        gather = min(gather_elems, c.total) * b if setup.world_size > 1 else 0
+        return int(reduce_bucket_bytes(setup, c) + gather)
+    if setup.zero_stage == 3:
+        prefetch = setup.prefetch_bucket_elements or STAGE3_PREFETCH_ELEMENTS
+        return int(reduce_elems * b + min(prefetch, c.total) * b)
+    return 0
+
+
+def reduce_bucket_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> int:
+    """ZeRO-1/2's gradient reduce buckets. DeepSpeed allocates the whole configured bucket (16-bit) at
+    the first gradient of a backward pass, twice with overlap_comm (double-buffered), and frees them
+    when the backward's reduction ends (stage_1_and_2.py: `setup_buckets`, `_release_ipg_buffers`):
+    so they coexist with the activations but not with the optimizer step. Measured with real engines:
+    tests/plan/estimate/test_memory_measured_deepspeed.py, and for a user's 5e8 vs 2e8 buckets
+    tests/plan/estimate/test_memory_measured_deepspeed_inputs.py."""
+    if setup.zero_stage not in (1, 2):
+        return 0
+    c = counts or count_params(setup.spec)
+    elements = setup.reduce_bucket_elements or reduce_bucket_elements(c)
+    return int((2 if setup.overlap_comm else 1) * elements * setup.bytes_per_param)
+
+
+def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
+    """The per-GPU peak of a training step, its parts, and when it happens."""
+    counts = count_params(setup.spec)
+    local, partition = _sizes(setup, counts)
+    parts = model_state_bytes(setup, counts)
+    offload = setup.offload_optimizer
+    parts["zero3_grad_partition"] = int(2 * partition) if setup.zero_stage == 3 and not offload else 0
+    ckpt = setup.gradient_checkpointing
+    policy = setup.checkpointing
+    if setup.calibration is not None and policy not in ("off", "full"):
+        raise AdaptiveError(f"a calibration file covers checkpointing off and full, not {policy!r}")
+    # Ulysses SP: each rank keeps its 1/sp of the sequence outside attention, and inside it all of the
+    # sequence for heads/sp: activations and the loss are those of seq/sp tokens (SDPA; MoD is refused)
+    sp, tp = setup.sp_size, setup.tp_size
+    local_seq = setup.seq_len // sp
+    tokens = local_seq * setup.micro_batch_size
+    if setup.calibration is not None:
+        saved = setup.calibration.activation_bytes(tokens, ckpt)
+        backward_peak = setup.calibration.backward_bytes(tokens, ckpt)
+    else:
+        saved = activation_bytes(setup.spec, local_seq, setup.micro_batch_size, policy, setup.capacity_factor,
+                                 setup.kernels)
+        backward_peak = backward_peak_bytes(setup.spec, local_seq, setup.micro_batch_size, policy,
+                                            setup.capacity_factor, setup.kernels)
+    if tp > 1:
+        # AutoTP: the layers' activations inside the sharded matmuls split tp ways (parallel.py); the
+        # column-parallel lm_head gathers its output, so the loss keeps whole-vocabulary logits
+        loss_part = min(saved, tokens * loss_saved_bytes_per_token(setup.spec, setup.kernels))
+        layers = saved - loss_part
+        extra = backward_peak - saved
+        saved = int(layers * tp_activation_factor(tp)) + loss_part
+        backward_peak = saved + extra
+    # Eager attention: its score-sized tensors (attention.py), kept by the blocks that are not checkpointed,
+    # recomputed one layer at a time by those that are (the mlp policy keeps attention)
+    scores_saved = scores_recompute = 0
+    if setup.attention == "eager":
+        kept = 0.0 if policy == "full" else 1 - 1 / int(policy.split(":")[1]) if policy.startswith("every:") else 1.0
+        # score-sized tensors span the whole sequence for heads/sp (Ulysses) or heads/tp (AutoTP)
+        split = sp * tp
+        if kept < 1:
+            scores_recompute = eager_recompute_bytes(setup.spec, setup.seq_len, setup.micro_batch_size) // split
+        scores_saved = int(kept * eager_extra_saved_bytes(setup.spec, setup.seq_len, setup.micro_batch_size) / split)
+    parts["attention_scores"] = scores_saved
+    if setup.kernels == "plain":
+        # the loss keeps its fp32 log-softmax for backward; its backward working set is in the transient
+        loss = min(saved, tokens * loss_saved_bytes_per_token(setup.spec, "plain"))
+        parts["activations"] = saved - loss
+    else:
+        # the chunked loss keeps nothing vocabulary-wide: its part is its backward working set (a tile of
+        # logits, the head's input and weight gradients); the transient is what a layer's backward adds
+        loss = min(backward_peak - saved, loss_working_bytes(setup.spec, tokens, "lean"))
+        parts["activations"] = saved
+    parts["logits_and_loss"] = loss
+    parts["backward_transient"] = backward_peak - parts["activations"] - loss + scores_recompute
+    parts["comm_buckets"] = comm_buffer_bytes(setup, counts)
+    # the optimizer's own temporaries during its step (foreach AdamW: an fp32 copy of what it updates)
+    updated = local if setup.zero_stage == 0 else partition
+    parts["optimizer_transient"] = step_transient_bytes(setup.optimizer, updated, offload)
+    if setup.fp16 and setup.zero_stage == 0:
+        # DeepSpeed's FP16_Optimizer.step (runtime/fp16/fused_optimizer.py) builds the flat fp32 gradient as
+        # _flatten_dense_tensors([p.grad.to(fp32) ...]): per-parameter fp32 copies (4 bytes/param) alive
+        # beside the flat result while it concatenates. Read from DeepSpeed 0.19.8's code, not measured:
+        # its CPU accelerator runs no fp16.
+        parts["optimizer_transient"] += int(4 * local)
+
+    # Which gradient bytes persist: ZeRO-1/2 keep a 16-bit partition buffer between steps and build
+    # the fp32 copy only for the step; ZeRO-0 frees its 16-bit grads after each step.
+    grads_persistent = 2 * partition if setup.zero_stage in (1, 2) and not offload else 0
+    # ZeRO-0 and ZeRO-1 reduce gradients only at the accumulation boundary (DeepSpeed's stage_1_and_2:
+    # `partition_gradients or is_gradient_accumulation_boundary()`; plain DDP alike), so between
+    # boundaries every local parameter's 16-bit gradient stays on the GPU, offload or not, and from the
+    # second micro-batch on it coexists with the activations, beside ZeRO-1's own partition buffer
+    # (measured with a real engine: tests/plan/estimate/test_memory_measured_deepspeed.py). ZeRO-2/3 reduce
+    # every micro-batch.
+    held = 0
+    if setup.gradient_accumulation_steps > 1 and setup.zero_stage in (0, 1):
+        held = int(2 * local)
+    parts["accumulated_grads"] = held
+    buckets_backward = reduce_bucket_bytes(setup, counts)  # ZeRO-1/2 reduce buckets: backward only
+    persistent = (parts["params"] + parts["optimizer"] + parts["comm_buckets"] - buckets_backward
+                  + parts["zero3_grad_partition"] + parts["hpz_secondary_params"] + grads_persistent)
+    backward = (parts["activations"] + parts["attention_scores"] + parts["logits_and_loss"]
+                + parts["backward_transient"] + parts["zero3_live_params"] + held + buckets_backward)
+    if setup.zero_stage == 0 and not offload and not held:
+        # ZeRO-0 builds the 16-bit gradients during backward; they are complete when it ends
+        backward = max(backward, parts["params"])
+    # The optimizer step, measured on DeepSpeed 0.19.8 engines (bf16, CPU; tests/plan/
+    # test_memory_measured_deepspeed*.py): beyond the fp32 gradients, ZeRO-1/2 flatten the averaged 16-bit
+    # gradient partition (that partition copy plus the flat copy: 2 x 2 bytes per partition param) before
+    # the update; an optimizer temporary (foreach AdamW: 4 bytes) comes after those are freed, so the
+    # larger of the two counts. ZeRO-3 frees 2 bytes per partition param before the update, ZeRO-0
+    # nothing: foreach AdamW adds its 4 bytes net under ZeRO-0, 2 under ZeRO-3, none under ZeRO-1/2.
+    flatten = 0
+    step_extra = parts["optimizer_transient"]
+    if setup.zero_stage in (1, 2) and not offload:
+        flatten = int(2 * setup.bytes_per_param * partition)
+        step_extra = max(flatten, step_extra)
+        # the averaged partition copy exists at the end of backward, beside the reduce buckets (and any
+        # gradients held for accumulation), once the activations are freed
+        backward = max(backward, buckets_backward + held + int(setup.bytes_per_param * partition))
+    elif setup.zero_stage == 3 and not offload:
+        step_extra = max(0, step_extra - int(2 * partition))
+    parts["step_flatten"] = flatten
+    step = parts["grads"] - grads_persistent + step_extra
+    allocated = persistent + max(backward, step)
+    parts["fragmentation"] = int(math.ceil(FRAGMENTATION * allocated))
+    parts["cuda_context"] = CUDA_CONTEXT_BYTES
+    return MemoryEstimate(parts=parts, persistent_bytes=int(persistent), backward_bytes=int(backward),
+                          step_bytes=int(step),
+                          peak_gpu_bytes=int(allocated + parts["fragmentation"] + parts["cuda_context"]),
+                          host_bytes_per_node=host_bytes_per_node(setup, counts), saved_bytes=int(saved))
+
+
+def corrected(mem: MemoryEstimate, factor: float) -> MemoryEstimate:
+    """The estimate with its allocated peak scaled by a measured factor (shown as its own part): a real run's
+    measured peak over the predicted one (run_calibration.py, `adaptive fit --calibrate RUN_DIR`)."""
+    if factor == 1.0:
+        return mem
+    allocated = mem.allocated_peak_bytes * factor
+    parts = dict(mem.parts)
+    parts["calibration_correction"] = int(allocated - mem.allocated_peak_bytes)
+    parts["fragmentation"] = int(math.ceil(FRAGMENTATION * allocated))
+    return replace(mem, parts=parts,
+                   peak_gpu_bytes=int(allocated + parts["fragmentation"] + CUDA_CONTEXT_BYTES))

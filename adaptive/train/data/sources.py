@@ -1,0 +1,257 @@
+"""Where training text comes from: a hub dataset (C4 by default), local files, or the shipped corpus.
+
+`resolve_source` turns `--dataset` into a `DataSource`; `load_text_dataset` reads it with `datasets`
+(`load_dataset`, streaming for the hub) as one "text" column, with one-line errors for a hub that
+cannot be reached, a missing file or bad JSON rows (`rows.check_json_rows`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+from urllib.parse import urlparse
+
+from adaptive.errors import AdaptiveError
+from adaptive.train.data.rows import check_json_rows
+from adaptive.train.data.tokenizer import DEFAULT_CORPUS
+
+if TYPE_CHECKING:
+    import datasets
+
+logger = logging.getLogger(__name__)
+
+C4 = "allenai/c4"
+_HUB_ALIASES = {"c4": C4}
+_HUB_DEFAULT_CONFIGS = {C4: "en"}
+_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What to train on and how to cut it.
+
+    dataset: None for the shipped corpus; a local .txt/.jsonl/.json/.parquet file or a folder of
+        them; or a hub dataset name ("c4" is short for allenai/c4, config "en").
+    seq_len: tokens per block (labels are the block itself; the model shifts them).
+    eval_fraction: share of blocks (map-style) or documents (streaming without an eval split)
+        held out for evaluation.
+    max_eval_blocks: cap on eval blocks over all ranks.
+    eval_split: the hub split used for eval ("validation" for C4); None holds out documents of the
+        train split by a hash of their text (every ~1/eval_fraction-th document).
+    txt_sample_by: how .txt files are cut into documents (EOS goes after each): "paragraph"
+        (blank-line separated), "line" or "document" (the whole file).
+    streaming: None picks streaming for hub datasets and map-style for local files.
+    shuffle_buffer: documents per shuffled window on the streaming path (a resume re-reads one window).
+    cache_dir: the `datasets` cache (None: its default, ~/.cache/huggingface/datasets).
+    workers: streaming only: processes per rank that read, tokenize and pack (0: the training
+        process itself); at most the rank's shard count. Map-style data are tokenized up front.
+    pin_memory: the loader hands over page-locked batches (CUDA).
+    """
+
+    dataset: str | None
+    seq_len: int
+    seed: int = 0
+    dataset_config: str | None = None
+    text_field: str = "text"
+    eval_fraction: float = 0.05
+    max_eval_blocks: int = 256
+    eval_split: str | None = "validation"
+    txt_sample_by: Literal["line", "paragraph", "document"] = "paragraph"
+    streaming: bool | None = None
+    shuffle_buffer: int = 10_000
+    cache_dir: str | None = None
+    num_proc: int | None = None
+    workers: int = 0
+    pin_memory: bool = False
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 2:
+            raise AdaptiveError(f"seq_len must be at least 2 (the model predicts token t+1 from t), got {self.seq_len}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise AdaptiveError(f"eval_fraction must be between 0 and 1, got {self.eval_fraction}")
+        if self.max_eval_blocks < 1:
+            raise AdaptiveError(f"max_eval_blocks must be positive, got {self.max_eval_blocks}")
+        if self.shuffle_buffer < 1:
+            raise AdaptiveError(f"shuffle_buffer must be positive, got {self.shuffle_buffer}")
+        if self.workers < 0:
+            raise AdaptiveError(f"workers must be >= 0, got {self.workers}")
+        if self.txt_sample_by not in ("line", "paragraph", "document"):
+            raise AdaptiveError(f"txt_sample_by must be line, paragraph or document, got {self.txt_sample_by!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the text comes from
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """A resolved `--dataset`: local files for one `datasets` builder, or a hub dataset."""
+
+    label: str  # for messages: what the user passed, or the shipped corpus' path
+    builder: str  # "text" / "json" / "parquet", or the hub repo id
+    data_files: tuple[str, ...] = ()
+    config_name: str | None = None
+
+    @property
+    def is_local(self) -> bool:
+        return bool(self.data_files)
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", ".", "~")) or name.endswith(("/", os.sep)) or Path(name).suffix in _BUILDERS
+
+
+def resolve_source(cfg: DataConfig) -> DataSource:
+    """Decide what `cfg.dataset` names; raises AdaptiveError for missing or unusable paths."""
+    if cfg.dataset is None:
+        return DataSource(str(DEFAULT_CORPUS), "text", (str(DEFAULT_CORPUS),))
+    name = cfg.dataset
+    path = Path(name).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _BUILDERS and not p.name.startswith("."))
+        if not files:
+            raise AdaptiveError(f"folder {name!r} has no .txt, .jsonl, .json or .parquet files")
+        builders = {_BUILDERS[p.suffix] for p in files}
+        if len(builders) > 1:
+            kinds = ", ".join(sorted({p.suffix for p in files}))
+            raise AdaptiveError(f"folder {name!r} mixes file types ({kinds}); keep one format per folder")
+        return DataSource(name, builders.pop(), tuple(str(p) for p in files))
+    if path.is_file():
+        if path.suffix not in _BUILDERS:
+            raise AdaptiveError(f"dataset file {name!r} has an unsupported type; use .txt, .jsonl, .json or .parquet")
+        return DataSource(name, _BUILDERS[path.suffix], (str(path),))
+    if _looks_like_path(name):
+        raise AdaptiveError(f"dataset path {name!r} does not exist; pass an existing file or folder")
+    repo = _HUB_ALIASES.get(name, name)
+    return DataSource(name, repo, config_name=cfg.dataset_config or _HUB_DEFAULT_CONFIGS.get(repo))
+
+
+def check_local_rows(dataset: str | None, text_field: str = "text") -> None:
+    """Check a local JSON dataset's rows now (one line naming file:line), before a run starts anything."""
+    if dataset:
+        source = resolve_source(DataConfig(dataset=dataset, seq_len=2, text_field=text_field))  # seq_len: unused here
+        if source.is_local and source.builder == "json":
+            check_json_rows(list(source.data_files), text_field)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _hub_unreachable_reason() -> str | None:
+    """Why the hub cannot be reached, or None if it may be (or offline mode will say so itself).
+
+    `datasets` retries an unreachable hub several times, logging each retry; a plain TCP connect
+    answers at once. Skipped in offline mode (`datasets` fails at once, or uses its cache)
+    and behind a proxy, which a direct connect cannot judge.
+    """
+    import datasets
+
+    proxies = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+    if datasets.config.HF_HUB_OFFLINE or any(os.environ.get(v) for v in proxies):
+        return None
+    url = urlparse(datasets.config.HF_ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=5).close()
+    except OSError as err:
+        return f"cannot connect to {datasets.config.HF_ENDPOINT}: {getattr(err, 'strerror', None) or err}"
+    return None
+
+
+def _hub_error(source: DataSource, reason: str) -> AdaptiveError:
+    return AdaptiveError(
+        f"dataset {source.label!r} is on the hub, which is unreachable ({reason}); "
+        "pass --dataset PATH with local .txt/.jsonl/.parquet files instead"
+    )
+
+
+def _load_hub(source: DataSource, split: str, cfg: DataConfig) -> datasets.IterableDataset:
+    import datasets
+
+    reason = _hub_unreachable_reason()
+    if reason:
+        raise _hub_error(source, reason)
+    try:
+        return datasets.load_dataset(source.builder, source.config_name, split=split, streaming=True, cache_dir=cfg.cache_dir)
+    except datasets.exceptions.DatasetNotFoundError as err:
+        raise AdaptiveError(
+            f"dataset {source.label!r} was not found on the hub ({_first_line(err)}); check the name, or pass --dataset PATH"
+        ) from None
+    except ConnectionError as err:  # what `datasets` raises when offline or the hub does not answer
+        offline = "offline mode is on, HF_DATASETS_OFFLINE/HF_HUB_OFFLINE: " if datasets.config.HF_HUB_OFFLINE else ""
+        raise _hub_error(source, offline + _first_line(err)) from None
+    except ValueError as err:
+        if "split" in str(err).lower():
+            raise AdaptiveError(
+                f"dataset {source.label!r} has no split {split!r} ({_first_line(err)}); "
+                "set eval_split=None to hold out training documents instead"
+            ) from None
+        raise
+
+
+def _load_local(source: DataSource, cfg: DataConfig, streaming: bool) -> datasets.Dataset | datasets.IterableDataset | None:
+    """The files through their `datasets` builder; None when every file is empty."""
+    import datasets
+
+    files = [f for f in source.data_files if os.path.getsize(f) > 0]
+    if len(files) < len(source.data_files):
+        logger.warning("skipping %d empty file(s) in %s", len(source.data_files) - len(files), source.label)
+    if not files:
+        return None
+    if source.builder == "json":
+        check_json_rows(files, cfg.text_field)  # file:line for a bad row, before pyarrow's "in row 3"
+    kwargs = {"sample_by": cfg.txt_sample_by, "keep_linebreaks": True} if source.builder == "text" else {}
+    try:
+        return datasets.load_dataset(
+            source.builder, data_files=files, split="train", streaming=streaming, cache_dir=cfg.cache_dir, **kwargs
+        )
+    except (datasets.exceptions.DatasetGenerationError, ValueError, OSError, UnicodeDecodeError) as err:
+        cause = err.__cause__ or err
+        raise AdaptiveError(f"could not read {source.label!r} as {source.builder}: {_first_line(cause)}") from None
+
+
+def _columns(ds: datasets.Dataset | datasets.IterableDataset) -> list[str]:
+    if ds.column_names is not None:
+        return list(ds.column_names)
+    first = next(iter(ds), None)  # streaming json knows its columns only after reading a row
+    return list(first) if first is not None else []
+
+
+def load_text_dataset(cfg: DataConfig, split: str = "train", streaming: bool | None = None):
+    """The raw documents as a `datasets` Dataset/IterableDataset with one column, "text".
+
+    Local files have only a "train" split (eval is carved out later). Returns None for a local
+    source whose files are all empty.
+    """
+    source = resolve_source(cfg)
+    if streaming is None:
+        streaming = cfg.streaming if cfg.streaming is not None else not source.is_local
+    if source.is_local:
+        if split != "train":
+            raise AdaptiveError(f"local dataset {source.label!r} has only a train split, not {split!r}")
+        ds = _load_local(source, cfg, streaming)
+    else:
+        if not streaming:
+            raise AdaptiveError(f"hub dataset {source.label!r} is read streaming; set streaming=None or True")
+        ds = _load_hub(source, split, cfg)
+    if ds is None:
+        return None
+    field = "text" if source.builder == "text" else cfg.text_field
+    columns = _columns(ds)
+    if field not in columns:
+        if not columns:
+            return None  # no rows at all: reported as an empty corpus
+        raise AdaptiveError(
+            f"{source.label!r} has no {field!r} field (fields: {', '.join(columns)}); pass --text-field NAME"
+        )
+    ds = ds.select_columns([field])
+    return ds.rename_column(field, "text") if field != "text" else ds
+
+
+__all__ = ["C4", "DEFAULT_CORPUS", "DataConfig", "DataSource", "check_local_rows", "load_text_dataset", "resolve_source"]

@@ -1,0 +1,166 @@
+"""Train one planned run: process group, plan, Accelerator, data, model, resume, loop.
+
+`run(config, preset, arch, ...)` is what a recipe calls after parsing its flags (`adaptive.recipe`).
+The orchestrator reaches the loop as a plugin: `plugins()` builds its callbacks when the run has it
+on (`--orchestrator on`, or auto and the plan recommends it). This package imports nothing from
+`adaptive.orchestrator`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from adaptive.config.run import RunConfig
+from adaptive.errors import AdaptiveError
+from adaptive.train.run.callbacks import Callback, CallbackList, TrainerState
+from adaptive.train.run_folder.ownership import RunLock, check_fresh_start, clear_run
+from adaptive.train.reporting.trackers import resolve as resolve_trackers
+
+
+def run_dir(config: RunConfig, preset: str, arch: str) -> Path:
+    return Path(config.output.output_dir or f"runs/{preset}_{arch}")
+
+
+def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | None = None,
+        plugins: Callable[[], list[Any]] | None = None) -> TrainerState:
+    """Train. `callbacks` always run, first; `plugins()` (the orchestrator) when the run has it on. The run
+    folder is checked, locked, and (with --overwrite) cleared before anything else is written."""
+    from adaptive.train.run import setup
+    from adaptive.train.data.sources import check_local_rows
+    from adaptive.train.reporting.display import configure_logging
+    from adaptive.train.run.runplan import World, check_with_deepspeed, detect_device, launcher_world, plan_run
+
+    out = config.output
+    output_dir = run_dir(config, preset, arch)
+    if out.resume and out.overwrite:
+        raise AdaptiveError("--resume continues the run in --output-dir and --overwrite deletes it; give one of them")
+    check_fresh_start(output_dir, out.resume, out.overwrite)  # every rank, before anything is written
+    check_local_rows(config.data.dataset, config.data.text_field)  # a bad row: one line before anything starts
+    trackers = resolve_trackers(out.report_to)  # an uninstalled tracker: one line, too
+    partial = setup.init_distributed()
+    configure_logging(partial.is_main_process)
+    world = World(partial.num_processes, min(launcher_world().per_node, partial.num_processes))
+    plan = plan_run(config, preset, arch, world, detect_device(config.hardware.gpu))
+    check_with_deepspeed(plan.ds_config, world.size)  # a config DeepSpeed refuses: one line, nothing written
+    lock, resume_from = claim_run_folder(partial, output_dir, out.resume, out.overwrite)
+    try:
+        return _train(config, preset, arch, callbacks, plugins, partial, plan, world, output_dir, resume_from,
+                      trackers)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def claim_run_folder(partial: Any, output_dir: Path, resume: str | None,
+                     overwrite: bool) -> tuple[RunLock | None, Path | None]:
+    """The main process locks the folder, clears it (--overwrite) and finds the checkpoint to resume (verified);
+    every rank gets the checkpoint, or the same one-line error. A refused --resume changes nothing."""
+    from accelerate.logging import get_logger
+    from accelerate.utils import broadcast_object_list
+
+    from adaptive.train.run_folder.checkpoint import find_checkpoint, os_reason
+
+    lock, shared = None, [None, None]  # the checkpoint, the error
+    if partial.is_main_process:
+        try:
+            if resume:  # looked up before the lock: a refused --resume creates nothing
+                path = find_checkpoint(resume, output_dir)
+                if path is None:
+                    where = output_dir if resume == "auto" else resume
+                    raise AdaptiveError(f"--resume: {where} holds no checkpoint that verifies, so nothing was changed; "
+                                        "start a fresh run without --resume")
+                shared[0] = str(path)
+            lock = RunLock(output_dir).acquire()
+            if overwrite:
+                cleared = clear_run(output_dir)
+                if cleared:
+                    get_logger(__name__).warning("--overwrite: deleted %s from %s", ", ".join(cleared), output_dir)
+        except AdaptiveError as err:
+            shared[1] = str(err)
+        except OSError as err:
+            shared[1] = f"run folder {output_dir}: {os_reason(err)}"
+    if partial.num_processes > 1:
+        broadcast_object_list(shared)
+    if shared[1]:
+        if lock is not None:
+            lock.release()
+        raise AdaptiveError(shared[1])
+    return lock, Path(shared[0]) if shared[0] else None
+
+
+def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | None,
+           plugins: Callable[[], list[Any]] | None, partial: Any, plan: Any, world: Any, output_dir: Path,
+           resume_from: Path | None, trackers: list[str]) -> TrainerState:
+    from accelerate.logging import get_logger
+    from accelerate.utils import set_seed
+
+    from adaptive.train.reporting import trackers as tracking
+    from adaptive.train.run import setup
+    from adaptive.train.run.loop import Loop, LoopSettings, restore, set_peak_lr, train, write_run_files
+    from adaptive.train.reporting.metrics import MetricsWriter
+
+    main_process = partial.is_main_process
+    logger = get_logger(__name__)
+    accelerator = setup.make_accelerator(plan, trackers, output_dir)
+    setup.quiet_libraries(main_process)
+    logger.info("plan: %s %s on %d x %s (%s), knobs %s, DeepSpeed config from %s%s, %d steps of %d tokens",
+                preset, arch, world.size, plan.device.gpu.name if plan.device.gpu else "cpu", plan.precision,
+                plan.knobs.as_dict(), plan.ds_source.kind, f" {plan.ds_source.path}" if plan.ds_source.path else "",
+                plan.max_steps, plan.tokens_per_step)
+    logger.info("orchestrator: %s (--orchestrator %s; the plan's advice: %s)", "on" if plan.orchestrator else "off",
+                plan.orchestrator_requested, plan.plan.orchestrator.reason)
+
+    opt, out = config.optimizer, config.output
+    set_seed(opt.seed)
+    data = setup.load_data(config.data, opt.seed, plan, accelerator, plan.plan.request.spec.vocab_size)
+    model = setup.build_model(plan, data.tokenizer, opt.seed)
+    optimizer = setup.build_optimizer(model, plan.knobs, setup.peak_lr(opt.lr, preset), opt.weight_decay)
+    warmup = opt.warmup_steps if opt.warmup_steps is not None else setup.default_warmup(plan.max_steps)
+    lr_scheduler = setup.build_scheduler(optimizer, warmup, plan.max_steps)
+    engine, optimizer, scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+
+    accelerator.wait_for_everyone()
+    state = TrainerState(max_steps=plan.max_steps, knobs=plan.knobs, output_dir=output_dir, plan=plan.plan,
+                         orchestrator=plan.orchestrator, accelerator=accelerator, model=engine, optimizer=optimizer,
+                         scheduler=scheduler, world_size=world.size)
+    chain = CallbackList([*(callbacks or []), *(plugins() if plan.orchestrator and plugins else [])])
+    settings = LoopSettings(log_every=out.log_every, eval_every=out.eval_every,
+                            checkpoint_every=out.checkpoint_every, keep_checkpoints=out.keep_checkpoints,
+                            export_every=out.export_every, progress=out.progress,
+                            trust_checkpoints=out.trust_checkpoint)
+    metrics = MetricsWriter(output_dir, main_process)
+    loop = Loop(run=plan, data=data, callbacks=chain, metrics=metrics, settings=settings, device=accelerator.device,
+                lr_scheduler=lr_scheduler)
+    if plan.knobs.sp_size > 1:  # prepare() registered DeepSpeed's Ulysses attention and its SP groups
+        from adaptive.train.run.sequence_parallel import SequenceShards
+
+        loop.sequence_shards = SequenceShards.from_deepspeed(accelerator.device)
+    if resume_from is not None:
+        restore(state, loop, resume_from)
+        state.resumed_from = resume_from
+        if opt.lr is not None:
+            set_peak_lr(state, loop, opt.lr)
+        logger.info("resumed from %s at step %d", resume_from, state.step)
+        if config.model.init_from:
+            logger.warning("--init-from %s ignored: the checkpoint resumed holds the trained weights",
+                           config.model.init_from)
+    metrics.truncate_after(state.step if state.resumed_from else None)
+    write_run_files(state, loop)
+    counts = {"params_total": plan.plan.counts.total, "params_active": plan.plan.counts.active}
+    metrics.write({"kind": "start", "step": state.step, **plan.summary(), **counts,
+                   "resumed_from": str(state.resumed_from) if state.resumed_from else None,
+                   "callbacks": [type(c).__name__ for c in chain.callbacks]})
+    state.trackers = metrics.sink = tracking.start(accelerator, output_dir, {**plan.summary(), **counts}, config.flat(),
+                                                   state.step if state.resumed_from else None)
+    try:
+        train(state, loop)
+    except BaseException:
+        tracking.finish(accelerator)  # the trackers keep what was logged; the error goes on
+        raise
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return state
+
+
+__all__ = ["run", "run_dir"]

@@ -1,0 +1,249 @@
+"""Build what the loop runs: the process group, the Accelerator with its DeepSpeed plugin, the
+tokenizer and data, the model, the optimizer and the LR schedule.
+
+Every run goes through DeepSpeed via accelerate, whoever launched it (accelerate launch, torchrun,
+deepspeed, or plain `python recipes/x.py` for one process). The DeepSpeed config comes from
+`runplan.plan_run` and is handed to `DeepSpeedPlugin(hf_ds_config=...)`; accelerate fills the
+hidden-size "auto" values.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.logging import get_logger
+
+from adaptive.config.run import DataOptions
+from adaptive.engine import moe_param_groups
+from adaptive.plan.architecture.blocks import block_type
+from adaptive.train.run.callbacks import Knobs
+from adaptive.train.run.runplan import RunPlan
+from adaptive.train.run.sequence_parallel import ATTENTION as SP_ATTENTION, parallelism_config
+
+ADAM_BETAS = (0.9, 0.95)  # GPT-3's and Llama 2's betas (docs/BENCHMARKS.md, "Claims we compared against")
+ADAM_EPS = 1e-8
+# Peak learning rates by preset: GPT-3 (Brown et al. 2020, table 2.1) uses 6e-4 at 125M-350M and
+# 2e-4-3e-4 at 1-7B; Llama 2 7B 3e-4. The debug model is tiny and trains for a few steps.
+DEFAULT_LR = {"debug": 3e-3, "debug_200m": 6e-4, "b1": 3e-4, "b7": 3e-4}
+FALLBACK_LR = 3e-4
+WEIGHT_DECAY = 0.1
+DATA_WORKERS_GPU = 2  # streamed data: loader processes per GPU; one keeps ~7x ahead of b1 on an H100 (docs/BENCHMARKS.md)
+
+logger = get_logger(__name__)
+
+
+def ensure_process_group_env() -> None:
+    """Without a launcher, make this process a world of one so DeepSpeed can initialise."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        os.environ.setdefault("LOCAL_RANK", "0")
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+
+
+def init_distributed() -> Any:
+    """accelerate's PartialState on DeepSpeed's process group (nccl on GPUs, gloo on a CPU)."""
+    from accelerate import PartialState
+
+    ensure_process_group_env()
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    if not torch.cuda.is_available() and os.environ["RANK"] == "0":
+        from adaptive.engine import shm_comm_op_to_build
+
+        op = shm_comm_op_to_build()
+        if op:  # a silent minute or two otherwise; plain logging: accelerate's needs the state made below
+            logging.getLogger(__name__).warning(
+                "DeepSpeed compiles %s now, once per machine (about 100 s on 2 cores); later runs reuse it", op)
+    # Without CUDA, accelerate picks no backend for DeepSpeed and then counts one process per rank;
+    # naming gloo makes it read the world from the process group DeepSpeed initialises.
+    return PartialState(**({} if torch.cuda.is_available() else {"backend": "gloo"}))
+
+
+def make_accelerator(run: RunPlan, trackers: list[str] | None = None, output_dir: Path | None = None) -> Any:
+    """An Accelerator on DeepSpeed with the run's config. The loop steps the LR schedule itself, once
+    per optimizer step (accelerate would step it once per process). `trackers` (--report-to, resolved) log
+    under `output_dir`/trackers/ (adaptive.train.reporting.trackers)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, ProjectConfiguration
+
+    from adaptive.train.reporting.trackers import logging_dir
+
+    # accelerate refuses a DeepSpeed config next to DeepSpeed fields of an accelerate config file;
+    # plan_run has folded those fields into the config, so the check has nothing left to protect.
+    os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
+    plugin = DeepSpeedPlugin(hf_ds_config=copy.deepcopy(run.ds_config),
+                             zero3_init_flag=run.knobs.zero_stage == 3)
+    mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[run.precision]
+    project = {} if output_dir is None else {"project_config": ProjectConfiguration(
+        project_dir=str(output_dir), logging_dir=str(logging_dir(output_dir)))}
+    # Ulysses: accelerate's prepare registers DeepSpeed's attention and passes its SP groups (sequence_parallel.py)
+    sequence = parallelism_config(run.knobs.sp_size, run.world.size)
+    return Accelerator(deepspeed_plugin=plugin, mixed_precision=mixed,
+                       gradient_accumulation_steps=run.ds_config["gradient_accumulation_steps"],
+                       step_scheduler_with_optimizer=False, log_with=trackers or None,
+                       **({"parallelism_config": sequence} if sequence is not None else {}), **project)
+
+
+def quiet_libraries(is_main: bool) -> None:
+    """DeepSpeed and datasets talk a lot; keep their INFO lines and progress bars off."""
+    import datasets
+    import transformers
+    from deepspeed.utils import logger as ds_logger
+
+    from adaptive.train.reporting.display import interactive
+
+    ds_logger.setLevel(logging.WARNING)
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # its save/load chatter; ours says it once
+    transformers.logging.set_verbosity_warning()
+    if not is_main or not interactive():
+        transformers.utils.logging.disable_progress_bar()
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
+
+
+@dataclass
+class Data:
+    tokenizer: Any
+    train: Any
+    eval: Any
+
+
+def load_data(options: DataOptions, seed: int, run: RunPlan, accelerator: Any, model_vocab_size: int) -> Data:
+    """Tokenizer and this rank's train/eval data (rank 0 fills the caches first)."""
+    from adaptive.train.data.packing import StreamingPackedDataset, build_datasets
+    from adaptive.train.data.sources import DataConfig
+    from adaptive.train.run_folder.init_from import tokenizer_folder
+    from adaptive.train.data.tokenizer import load_tokenizer, require_fits_vocab
+
+    dataset = resolve_dataset(options.dataset, run.device.kind)
+    cuda = run.device.kind == "cuda"
+    workers = options.data_workers if options.data_workers is not None else (DATA_WORKERS_GPU if cuda else 1)
+    cfg = DataConfig(dataset=dataset, seq_len=run.knobs.seq_len, seed=seed, dataset_config=options.dataset_config,
+                     text_field=options.text_field, workers=workers, pin_memory=cuda)
+    with accelerator.main_process_first():
+        tokenizer = load_tokenizer(options.tokenizer or tokenizer_folder(run.init_from))  # the checkpoint's own
+        require_fits_vocab(tokenizer, model_vocab_size)
+        # a TP group (consecutive ranks, DeepSpeed's TP mesh) trains on one copy of the data
+        tp = run.knobs.tp_size
+        train, evaluation = build_datasets(cfg, tokenizer, rank=accelerator.process_index // tp,
+                                           world_size=accelerator.num_processes // tp)
+    if options.data_workers and not isinstance(train, StreamingPackedDataset):
+        logger.warning("--data-workers %d ignored: %s is tokenized once up front (map-style), not streamed",
+                       options.data_workers, dataset or "the shipped corpus")
+    return Data(tokenizer, train, evaluation)
+
+
+def resolve_dataset(flag: str | None, device_kind: str) -> str | None:
+    """--dataset; by default C4 (streamed) on GPUs with the hub reachable, else the shipped corpus."""
+    if flag == "builtin":
+        return None
+    if flag is not None:
+        return flag
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or \
+        os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("", "0")
+    return "c4" if device_kind == "cuda" and not offline else None
+
+
+def build_model(run: RunPlan, tokenizer: Any, seed: int) -> Any:
+    """The preset (or --init-from's checkpoint, weights loaded) as `arch`, DeepSpeed MoE (with the plan's ep_size)
+    for MoE layers."""
+    from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
+    from adaptive.train.run_folder.init_from import load_init_weights, target_config
+
+    knobs = run.knobs
+    settings = dict(moe_implementation="deepspeed" if block_type(run.arch).has_experts else "native",
+                    ep_size=knobs.ep_size, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id)
+    if run.init_from:
+        config = target_config(run.init_from, run.plan.request.spec, **settings)
+    else:
+        config = AdaptiveConfig.from_preset(run.preset, arch=run.arch, **settings)
+    # under ZeRO-3: deepspeed.zero.Init; under Ulysses, the attention its registration expects
+    attention = {"attn_implementation": SP_ATTENTION} if knobs.sp_size > 1 else {}
+    model = AdaptiveForCausalLM._from_config(config, dtype=torch.float32, **attention)
+    if run.init_from:
+        load_init_weights(model, run.init_from)
+    elif knobs.ep_size > 1 and config.moe_layers:
+        reinit_local_experts(model, seed, knobs.tp_size)
+    if knobs.checkpoint_policy != "off":  # full, or selective (mlp, every:N) as planned or pinned
+        from adaptive.models.checkpointing import apply_checkpointing
+
+        apply_checkpointing(model, knobs.checkpoint_policy)
+    return model
+
+
+def reinit_local_experts(model: Any, seed: int, tp_size: int = 1) -> None:
+    """Under expert parallelism every rank builds its local experts from the same seed, so global
+    experts r*E/P + i would start equal on every rank r; draw each rank's experts afresh instead. The ranks
+    of a TP group share an expert-parallel rank, so they draw the same whole experts, which AutoTP shards."""
+    from adaptive.models.moe_deepspeed import DeepSpeedMoE, expert_parallel_rank
+
+    blocks = [m for m in model.modules() if isinstance(m, DeepSpeedMoE)]
+    model.setup_expert_parallel(tp_size)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + 1 + expert_parallel_rank(blocks[0].ep_size))
+    std = model.config.initializer_range
+    with torch.no_grad():
+        for block in blocks:
+            for module in block.deepspeed_moe.experts.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+                    if module.bias is not None:
+                        module.bias.zero_()
+
+
+def param_groups(model: Any, weight_decay: float) -> list[dict]:
+    """Decay on matrices, none on norms and biases; MoE experts in their own groups (DeepSpeed's
+    adaptive.engine.moe_param_groups), as ZeRO with expert parallelism needs."""
+    def matrix(p) -> bool:  # under ZeRO-3 init a parameter is a flat partition; ds_shape is its real shape
+        return len(getattr(p, "ds_shape", p.shape)) >= 2
+
+    decay = [p for p in model.parameters() if p.requires_grad and matrix(p)]
+    no_decay = [p for p in model.parameters() if p.requires_grad and not matrix(p)]
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    if model.config.moe_layers and model.config.moe_implementation == "deepspeed":
+        groups = moe_param_groups(groups)
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: Any, knobs: Knobs, lr: float, weight_decay: float) -> Any:
+    """AdamW(0.9, 0.95, eps 1e-8): torch's, or DeepSpeed's CPU Adam when the optimizer is offloaded."""
+    groups = param_groups(model, weight_decay)
+    if knobs.offload_optimizer:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=weight_decay,
+                                adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=weight_decay)
+
+
+def build_scheduler(optimizer: Any, warmup_steps: int, max_steps: int) -> Any:
+    from transformers import get_cosine_schedule_with_warmup
+
+    return get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=warmup_steps, num_training_steps=max_steps)
+
+
+def default_warmup(max_steps: int) -> int:
+    """5% of the run, at most 2000 steps."""
+    return max(1, min(2000, round(0.05 * max_steps)))
+
+
+def peak_lr(lr: float | None, preset: str) -> float:
+    """--lr (the run configuration checked it is positive and finite), else the preset's default."""
+    return lr if lr is not None else DEFAULT_LR.get(preset, FALLBACK_LR)
+
+
+__all__ = ["ADAM_BETAS", "ADAM_EPS", "DEFAULT_LR", "Data", "build_model", "build_optimizer", "build_scheduler",
+           "default_warmup", "ensure_process_group_env", "init_distributed", "load_data", "make_accelerator",
+           "param_groups", "peak_lr", "quiet_libraries", "reinit_local_experts", "resolve_dataset"]

@@ -1,0 +1,65 @@
+"""Convert a finished run's HF export to another format (`adaptive export RUN_DIR --format ...`).
+
+Kept apart from `checkpoint.py`: it needs no accelerate or DeepSpeed (importing them prints and costs
+seconds), only the model classes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from adaptive.durable import fsync_tree, replace_dir, temporary_name
+from adaptive.models.export import ExportFormat
+
+FINAL_EXPORT = "hf"  # the folder of a run's final export (adaptive.train.run.loop writes it)
+
+
+def convert_export(source: Path, export_format: str = "auto", out: Path | None = None) -> tuple[Path, ExportFormat]:
+    """Rewrite an HF export (a run dir's `hf/` folder, or any adaptive model folder) in `export_format`.
+
+    Writes `out` (default: `<source>-<format>` beside it) with the tokenizer files and `adaptive_export.json`
+    carried over; returns the folder and the `ExportFormat` chosen.
+    """
+    from adaptive.errors import AdaptiveError
+    from adaptive.models import AdaptiveForCausalLM
+    from adaptive.models.export import choose_format, export_pretrained
+
+    source = Path(source)
+    if (source / FINAL_EXPORT / "config.json").exists():
+        source = source / FINAL_EXPORT
+    if not (source / "config.json").exists():
+        raise AdaptiveError(f"no HF export in {str(source)!r}: expected config.json there or in its hf/ folder")
+    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    if config.get("model_type") != "adaptive":
+        raise AdaptiveError(f"{str(source)!r} holds a {config.get('model_type')!r} model; convert takes an adaptive one")
+    model = AdaptiveForCausalLM.from_pretrained(source)
+    chosen = choose_format(model.config, model.state_dict(), export_format)
+    target = Path(out) if out is not None else source.with_name(f"{source.name}-{chosen.format}")
+    if target.resolve() == source.resolve():
+        raise AdaptiveError(f"--out {str(target)!r} is the source folder; pick another")
+    if target.exists() and not (target / "adaptive_export.json").is_file():  # replaced whole below: never a stranger
+        raise AdaptiveError(f"--out {str(target)!r} exists and is not an adaptive export; choose a new folder")
+    tmp = temporary_name(target)  # written beside, then swapped in whole: an old `target` survives a failure
+    try:
+        export_pretrained(model, tmp, chosen.format)
+        skip = {"config.json", "generation_config.json", "adaptive_export.json"}
+        for file in source.iterdir():
+            if file.is_file() and file.name not in skip and not file.name.endswith((".safetensors", ".json.index")) \
+                    and not file.name.startswith("model"):
+                shutil.copy2(file, tmp / file.name)
+        meta_path = source / "adaptive_export.json"
+        meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.exists() else {}
+        meta.update(format=chosen.format, format_reason=chosen.reason, converted_from=str(source))
+        (tmp / "adaptive_export.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        fsync_tree(tmp)
+        replace_dir(tmp, target)
+    except OSError as err:
+        raise AdaptiveError(f"cannot write the export to {str(target)!r}: {err.strerror or err}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target, chosen
+
+
+__all__ = ["FINAL_EXPORT", "convert_export"]
