@@ -25,9 +25,18 @@ def test_quickstart_has_two_commands_fit_and_tests():
     assert commands[1].index("torch==2.13.0") < commands[1].index(".[test]")
 
 
-def test_ci_runs_the_readme_test_command():
-    ci = (REPO_ROOT / ".ci" / "run").read_text()
-    assert quickstart_commands()[1] in ci.splitlines()
+def test_the_quickstart_runs_the_quick_subset():
+    assert quickstart_commands()[1].endswith('pytest -q -n 2 --dist loadfile -m "not slow"')
+
+
+SLOW_REST = ".venv/bin/python -m pytest -q -n 2 --dist loadfile -m slow"
+
+
+def test_ci_runs_the_readme_test_command_and_then_the_rest_of_the_full_suite():
+    lines = [line for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    quick = lines.index(quickstart_commands()[1])
+    assert lines[quick + 1] == SLOW_REST  # "not slow", then "slow": every test once
+    assert "`-m slow`" in readme_text()
 
 
 # --- every example command in the README runs as documented ---------------------------------------------------------

@@ -84,6 +84,7 @@ def test_calibration_replaces_the_formula_for_a_model_it_does_not_cover(tmp_path
     assert calibrated.shown.memory.backward_bytes - buckets == pytest.approx(measured.phases.backward, rel=0.02)
 
 
+@pytest.mark.slow  # measures two models
 def test_calibration_for_another_model_is_refused(tmp_path):
     r = adaptive("measure", "--model", "debug", "--seq-len", "128", "--save-calibration", str(tmp_path / "c.json"))
     assert r.returncode == 0, r.stderr[-2000:]

@@ -212,6 +212,7 @@ def test_deepspeed_accepts_what_the_planner_emits():
     check_with_deepspeed(_plan_recipe(REPO_ROOT / "ds_configs" / "zero3_offload_all.json").ds_config, 8)
 
 
+@pytest.mark.slow  # a recipe process starts DeepSpeed (on a fresh machine it compiles its comm op first)
 def test_a_recipe_with_a_config_deepspeed_refuses_stops_before_training(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 1, "reduce_bucket_sise": 5e8}}))
@@ -219,8 +220,10 @@ def test_a_recipe_with_a_config_deepspeed_refuses_stops_before_training(tmp_path
                            "--max-steps", "1", "--output-dir", str(tmp_path / "run")], capture_output=True, text=True,
                           env=subprocess_env(ADAPTIVE_CACHE=str(tmp_path / "cache")), timeout=300, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().splitlines() == ["error: DeepSpeed refuses the config's zero_optimization: "
-                                                "reduce_bucket_sise is not a known key; did you mean reduce_bucket_size?"]
+    # on a fresh machine the first DeepSpeed run also says, once, that it compiles its CPU comm op
+    lines = [line for line in done.stderr.strip().splitlines() if not line.startswith("DeepSpeed compiles ")]
+    assert lines == ["error: DeepSpeed refuses the config's zero_optimization: "
+                     "reduce_bucket_sise is not a known key; did you mean reduce_bucket_size?"]
     assert not (tmp_path / "run").exists()
 
 

@@ -7,11 +7,11 @@
 - `--tp-size 2` on two processes against one process, both ZeRO-3 from one saved model: a TP group trains on one
   copy of the data; AutoTP sharded the attention and MLP projections (column- and row-parallel), and the
   losses match.
-- `--zero-hpz 2` on four processes against plain ZeRO-3: a real secondary partition (half of each parameter,
-  the primary being a quarter), the same losses.
-- the same with the debug MoE recipe on DeepSpeed-MoE: the experts are sharded too (expert tensor parallelism),
-  alone and with expert parallelism (tp 2 x ep 2 on four processes against ep 2 on two); the final exports
-  gather to the same weights.
+- the same with the debug MoE recipe on DeepSpeed-MoE: the experts are sharded too (expert tensor parallelism);
+  the final export gathers to the same weights.
+- a run killed after a checkpoint resumes exactly, and only with the same layout.
+
+The four-process layouts (ZeRO++ hpZ, tp 2 x ep 2) are in test_four_rank_layouts.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 
 from tests.train._launch import accelerate_launch, records, tail
 
-pytestmark = pytest.mark.slow  # four two-process DeepSpeed runs
+pytestmark = pytest.mark.slow  # two-process DeepSpeed runs
 
 DRIVER = Path(__file__).parents[1] / "_parallel_driver.py"
 STEPS = 4
@@ -120,38 +120,9 @@ def test_tp_size_2_shards_deepspeed_moe_experts_and_trains_as_tp_size_1(tmp_path
     print(f"MoE tp2 vs tp1: max |loss difference| over {STEPS} steps = {worst:.3g}")
 
 
-def test_tp_size_2_with_expert_parallel_2_on_four_ranks_trains_as_expert_parallel_alone(tmp_path):
-    """tp 2 x ep 2 on four processes: the expert groups are built inside AutoTP's mesh (each TP pair shares an
-    expert-parallel rank, so it holds the same two experts' shards), and the run trains as ep 2 on two."""
-    ep, ep_records = run(tmp_path, "ep2", 2, "--zero", "2", "--ep-size", "2", arch="moe")
-    both, both_records = run(tmp_path, "tp2ep2", 4, "--zero", "2", "--ep-size", "2", "--tp-size", "2", arch="moe")
-    worst = assert_same_training(ep_records, both_records)
-    assert ep[0]["local_experts"] == 4 and ep[0]["expert_up_proj_shape"] == [192, 64]
-    assert all(both[r]["local_experts"] == 4 and both[r]["expert_up_proj_shape"] == [96, 64] for r in range(4))
-    # the export gathers the TP shards and every expert-parallel rank's experts
-    want, got = exported_weights(tmp_path / "ep2" / "run"), exported_weights(tmp_path / "tp2ep2" / "run")
-    assert want.keys() == got.keys()
-    assert max((want[k] - got[k]).abs().max().item() for k in want) < 1e-5
-    print(f"MoE tp2 x ep2 vs ep2: max |loss difference| over {STEPS} steps = {worst:.3g}")
-
-
-def test_zero_hpz_trains_as_zero_3(tmp_path):
-    """ZeRO++ hpZ on four processes: each parameter keeps a secondary partition over 2 GPUs (half of it, where
-    the primary ZeRO-3 partition is a quarter) for the backward all-gathers, and no number changes. Its
-    quantized switches need DeepSpeed's GPU quantizer kernels (test_parallel_layout)."""
-    _, zero3 = run(tmp_path, "z3", 4, "--zero", "3")
-    ranks, hpz = run(tmp_path, "hpz", 4, "--zero", "3", "--zero-hpz", "2")
-    assert json.loads((tmp_path / "hpz" / "run" / "ds_config.json").read_text())["zero_optimization"][
-        "zero_hpz_partition_size"] == 2
-    q_proj = 64 * 64
-    for rank in range(4):
-        assert ranks[rank]["q_proj_ds_tensor_numel"] == q_proj // 4
-        assert ranks[rank]["q_proj_ds_secondary_tensor_numel"] == q_proj // 2
-    assert_same_training(zero3, hpz)
-
-
-@pytest.mark.parametrize(("arch", "flags"), [("dense", ("--sp-size", "2")), ("dense", ("--tp-size", "2")),
-                                            ("moe", ("--tp-size", "2"))], ids=["sp2", "tp2", "tp2-moe"])
+# AutoTP's resume is checked on the MoE model, whose attention projections are sharded as the dense model's are
+@pytest.mark.parametrize(("arch", "flags"), [("dense", ("--sp-size", "2")), ("moe", ("--tp-size", "2"))],
+                         ids=["sp2", "tp2-moe"])
 def test_a_run_killed_after_a_checkpoint_resumes_exactly_and_only_with_the_same_layout(arch, flags, tmp_path):
     from tests.train._launch import driver, train_losses
 
