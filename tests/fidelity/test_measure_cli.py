@@ -24,6 +24,7 @@ def adaptive(*args):
                           env=subprocess_env(COLUMNS="200"), timeout=300)
 
 
+@pytest.mark.slow  # an `adaptive measure` process on a real model
 def test_measure_json_reports_each_part_with_its_error():
     r = adaptive("measure", "--model", "debug", "--arch", "mod", "--seq-len", "256", "--micro-batch", "2",
                  "--json")
@@ -57,6 +58,7 @@ def test_unwritable_calibration_path_is_refused_before_measuring(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "does not exist" in r.stderr
 
 
+@pytest.mark.slow  # an `adaptive measure` process on a real model
 def test_measure_takes_the_mod_capacity(tmp_path):
     r = adaptive("measure", "--model", "debug", "--arch", "mod", "--mod-capacity", "0.25", "--seq-len", "256",
                  "--checkpointing", "--json")
