@@ -4,6 +4,11 @@ from pathlib import Path
 
 import pytest
 
+# `pytest -n 2` runs a worker per core: one intra-op thread each. Two OpenMP threads per worker spin-wait on
+# each other and on the other worker, which made tiny models 2-3x slower; subprocesses inherit the setting.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Tests never touch the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
