@@ -153,7 +153,7 @@ LAYERS = {
         "run_folder": set(),
         "reporting": set(),
         "run": {"data", "run_folder", "reporting"},
-        "": set(),
+        "": {"run"},  # hf_trainer: the policies on a transformers Trainer, a public entry point
     },
 }
 

@@ -16,7 +16,7 @@ A policy is one module ending in `POLICY = Policy(name, config, build)` plus one
 `registry.POLICIES`. Each has its own frozen settings dataclass, validated on construction, and can be
 left out (`--orchestrator-policies`); settings come from `--orchestrator-config` (JSON:
 {"guard": {"bad_steps": 3}, "balance": {"rate": 0.001}}), checked by pydantic against the dataclass.
-`adaptive.train.run.hf_trainer.OrchestratorCallback` attaches the same list to a transformers `Trainer`.
+`adaptive.train.hf_trainer.OrchestratorCallback` attaches the same list to a transformers `Trainer`.
 
 This package imports nothing from `adaptive.train` and nothing heavy at import time (the CLI's
 `adaptive report` reads it); torch is imported where a policy runs.

@@ -30,7 +30,7 @@ class AskToSkip(Callback):
 def trained(tmp_path_factory):
     from transformers import Trainer, TrainingArguments
 
-    from adaptive.train.run.hf_trainer import OrchestratorCallback
+    from adaptive.train.hf_trainer import OrchestratorCallback
 
     environ = dict(os.environ)  # accelerate's state (the Trainer's) sets OMP_NUM_THREADS and friends
     out = tmp_path_factory.mktemp("trainer")
@@ -43,7 +43,7 @@ def trained(tmp_path_factory):
                              learning_rate=3e-3, disable_tqdm=True, dataloader_num_workers=0, seed=0)
     adapter = OrchestratorCallback([AskToSkip(), *callbacks])
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[adapter])
-    logger = logging.getLogger("adaptive.train.run.hf_trainer")
+    logger = logging.getLogger("adaptive.train.hf_trainer")
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append

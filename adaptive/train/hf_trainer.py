@@ -2,7 +2,7 @@
 events to the same policies the recipes' loop runs.
 
     from adaptive.orchestrator import policies
-    from adaptive.train.run.hf_trainer import OrchestratorCallback
+    from adaptive.train.hf_trainer import OrchestratorCallback
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       callbacks=[OrchestratorCallback(policies())])
 
