@@ -22,7 +22,6 @@ def tiny_export(run_dir, arch: str) -> None:
     (run_dir / "hf" / "tokenizer.json").write_text("{}")
 
 
-@pytest.mark.slow  # exports and converts a model
 def test_export_converts_a_dense_run_to_llama(tmp_path):
     tiny_export(tmp_path, "dense")
     done = adaptive("export", str(tmp_path), "--json")
@@ -35,7 +34,6 @@ def test_export_converts_a_dense_run_to_llama(tmp_path):
     assert (tmp_path / "hf-llama" / "tokenizer.json").exists()
 
 
-@pytest.mark.slow  # exports and converts a model
 def test_export_refuses_an_impossible_format_in_one_line(tmp_path):
     tiny_export(tmp_path, "mod")
     done = adaptive("export", str(tmp_path), "--format", "llama")

@@ -31,8 +31,7 @@ def check(record_error, request, model_arg, cell, **kw):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("checkpointing", [False, True, "every:2", "mlp"])  # off, full, selective policies
 @pytest.mark.parametrize("micro_batch", [2])
-# the quick subset checks the lean kernels' cells; the plain ones run with the slow tests
-@pytest.mark.parametrize("kernels", ["lean", pytest.param("plain", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kernels", ["lean", "plain"])
 def test_debug_preset_predictions_match_measurement(record_error, arch, checkpointing, micro_batch, kernels):
     request = make_request(model="debug", arch=arch, gpu="a100-80gb", seq_len=512, kernels=kernels)
     report = check(record_error, request, "debug", f"debug {arch} {kernels} ckpt={checkpointing} mb={micro_batch}",
@@ -53,7 +52,7 @@ def test_moe_backward_working_set_where_it_sets_the_peak(record_error, arch, ker
     assert backward.measured_bytes > step.measured_bytes  # the cell really is backward-bound
 
 
-@pytest.mark.parametrize("model,arch", [("b7", "dense"), pytest.param("b7", "hybrid", marks=pytest.mark.slow), ("b70", "moe")])
+@pytest.mark.parametrize("model,arch", [("b7", "dense"), ("b7", "hybrid"), ("b70", "moe")])
 def test_big_presets_at_reduced_depth(record_error, model, arch):
     # plain kernels: their backward peak extrapolates with depth (the lean kernels' does not: all layers are built)
     request = make_request(model=model, arch=arch, gpu="h200", seq_len=2048, kernels="plain")
@@ -61,7 +60,6 @@ def test_big_presets_at_reduced_depth(record_error, model, arch):
     assert report.measurement.depths == ((4, 8) if arch == "hybrid" else (2, 4))
 
 
-@pytest.mark.slow  # builds every layer of a deep model
 def test_depth_extrapolation_equals_building_every_layer():
     spec = preset_spec("debug_200m", "mod")  # 12 layers
     full = measure_step(spec, 512, 1, False, zero_stage=2, bucket_elements=1, full_depth=True, kernels="plain")

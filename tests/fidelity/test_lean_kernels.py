@@ -79,7 +79,6 @@ def mpt_request(gpus: int) -> FitRequest:
                       tp_size=1, sp_size=1)  # llm-foundry's run: data parallel (FSDP) only
 
 
-@pytest.mark.slow  # measures a 7B model's step on fake tensors
 def test_fit_plans_llm_foundrys_mpt_7b_run_and_measure_agrees():
     plan = fit(mpt_request(8), suggest=False)
     chosen = plan.shown

@@ -24,7 +24,6 @@ def adaptive(*args):
                           env=subprocess_env(COLUMNS="200"), timeout=300)
 
 
-@pytest.mark.slow  # an `adaptive measure` process on a real model
 def test_measure_json_reports_each_part_with_its_error():
     r = adaptive("measure", "--model", "debug", "--arch", "mod", "--seq-len", "256", "--micro-batch", "2",
                  "--json")
@@ -58,7 +57,6 @@ def test_unwritable_calibration_path_is_refused_before_measuring(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "does not exist" in r.stderr
 
 
-@pytest.mark.slow  # an `adaptive measure` process on a real model
 def test_measure_takes_the_mod_capacity(tmp_path):
     r = adaptive("measure", "--model", "debug", "--arch", "mod", "--mod-capacity", "0.25", "--seq-len", "256",
                  "--checkpointing", "--json")
@@ -86,7 +84,6 @@ def test_calibration_replaces_the_formula_for_a_model_it_does_not_cover(tmp_path
     assert calibrated.shown.memory.backward_bytes - buckets == pytest.approx(measured.phases.backward, rel=0.02)
 
 
-@pytest.mark.slow  # measures two models
 def test_calibration_for_another_model_is_refused(tmp_path):
     r = adaptive("measure", "--model", "debug", "--seq-len", "128", "--save-calibration", str(tmp_path / "c.json"))
     assert r.returncode == 0, r.stderr[-2000:]

@@ -17,11 +17,8 @@ modules turn that into a module-level skip with the reason.
 
 from __future__ import annotations
 
-import functools
 import unittest
 from unittest import mock
-
-import pytest
 
 import torch
 from _transformers_tests import load
@@ -73,16 +70,6 @@ SKIPPED_BY_DEFINITION: dict[str, dict[str, str]] = {
 # block) and MoD (attention over a block's routed tokens). MoE and hybrid blocks run those same attention paths
 # with another MLP, so their copies of the matrix would re-run the same computations.
 ATTENTION_COVERED_BY = {"moe": "dense", "moe_deepspeed": "dense", "hybrid": "dense and mod"}
-# Common tests that take 10-20 s on 2 cores for these classes: they run with the slow tests, not the quick subset.
-SLOW_FOR = {"moe": ("test_model_outputs_equivalence",), "hybrid": ("test_model_outputs_equivalence",)}
-
-
-def _slow(method):
-    """A copy of a mixin's test marked slow for one class only (the mixin's function is every class's)."""
-    @functools.wraps(method)
-    def run(self):
-        return method(self)
-    return pytest.mark.slow(run)
 
 
 class AdaptiveModelTester:
@@ -185,8 +172,6 @@ def make_test_class(name: str, arch: str, moe_implementation: str = "native", re
 
     for test_name, reason in SKIPPED_BY_DEFINITION.get(name, {}).items():
         setattr(Test, test_name, unittest.skip(reason)(lambda self: None))
-    for test_name in SLOW_FOR.get(name, ()):
-        setattr(Test, test_name, _slow(getattr(common.ModelTesterMixin, test_name)))
     if name in ATTENTION_COVERED_BY:
         reason = f"the same attention paths run in the {ATTENTION_COVERED_BY[name]} classes' eager-vs-SDPA tests"
         for test_name in dir(common.ModelTesterMixin):

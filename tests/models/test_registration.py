@@ -27,7 +27,6 @@ def test_import_adaptive_stays_torch_free():
     assert out.strip() == "[]"
 
 
-@pytest.mark.slow  # a fresh process per order
 @pytest.mark.parametrize("order", ["adaptive_first", "transformers_first"])
 def test_auto_model_loads_a_saved_model(tmp_path, order):
     model = tiny_model("hybrid")

@@ -2,8 +2,6 @@
 
 import json
 
-import pytest
-
 from deepspeed.runtime.config import DeepSpeedConfig
 
 from adaptive.plan import ARCHS, CATALOG, PRESETS, fit, make_request
@@ -11,7 +9,6 @@ from adaptive.plan.ds_config.emit import ds_config, write_plan_files
 from tests._deepspeed_config import DataParallel, single_process_group  # noqa: F401 (fixture)
 
 
-@pytest.mark.slow  # hundreds of configs through DeepSpeedConfig
 def test_every_preset_arch_gpu_and_count_emits_a_config_deepspeed_accepts(single_process_group):
     seen: dict[str, int] = {}
     for name in PRESETS:

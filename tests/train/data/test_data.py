@@ -332,7 +332,6 @@ def _closed_port() -> int:
         return s.getsockname()[1]  # closed again on exit: connections are refused
 
 
-@pytest.mark.slow  # a process importing datasets and transformers
 def test_unreachable_hub_endpoint_fails_fast_with_one_line(adaptive_cache):
     """A real process without offline mode, pointed at a hub that refuses connections."""
     script = (
