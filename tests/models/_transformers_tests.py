@@ -100,18 +100,24 @@ def _download(version: str, root: Path) -> None:
         staging.rename(root)  # atomic: a half-extracted cache is never seen
 
 
+def ensure_cache(root: Path, download) -> None:
+    """Fill `root` with `download()` unless it is there. pytest-xdist's workers collect at once on an empty
+    cache: one downloads under a file lock, the others wait for it and find the cache."""
+    if (root / PACKAGE / FILES[0]).exists():
+        return
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f"{root.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / PACKAGE / FILES[0]).exists():
+            download()
+
+
 def load():
     """(test_modeling_common, test_configuration_common) of the installed transformers; raises Unavailable."""
     import transformers
 
     root = cache_root(transformers.__version__)
-    if not (root / PACKAGE / FILES[0]).exists():
-        root.parent.mkdir(parents=True, exist_ok=True)
-        # pytest-xdist's workers collect at once: one downloads, the others wait and find the cache
-        with open(root.parent / f"{root.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not (root / PACKAGE / FILES[0]).exists():
-                _download(transformers.__version__, root)
+    ensure_cache(root, lambda: _download(transformers.__version__, root))
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     try:
