@@ -42,7 +42,23 @@ def build_app(names: list[str] | None = None) -> typer.Typer:
         app.command(name, **settings)(getattr(importlib.import_module(module), function))
     if names is not None and len(names) == 1:
         app.callback()(lambda: None)  # typer runs a lone command as the app itself; this keeps `adaptive fit`
+    else:
+        def root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                              help="Print adaptive's version and exit.")) -> None:
+            """The app's own options: `adaptive --version`."""
+
+        app.callback(help=HELP)(root)
     return app
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        import typer
+
+        from adaptive import __version__
+
+        print(f"adaptive {__version__}")
+        raise typer.Exit()
 
 
 def __getattr__(name: str) -> typer.Typer:

@@ -141,7 +141,7 @@ class ScheduleOptions:
     """How long the run is, and its global batch."""
 
     tokens: float | None = option(
-        None, "--tokens", commands=WORLD, above=0.0,
+        None, "--tokens", commands=WORLD, above=0.0, maximum=1e15,  # 1,000T tokens: far above any published run
         help="Training tokens (default 20 x active params; 100 steps for a run on a CPU).")
     max_steps: int | None = option(None, "--max-steps", commands=RUN, minimum=1,
                                    help="Optimizer steps to train (instead of --tokens).")

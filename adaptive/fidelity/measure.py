@@ -378,7 +378,7 @@ def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing:
         # 13.05 GiB, all 32 layers 13.50 GiB); with lean kernels also the chunked loss's working set at the
         # start of backward (debug_200m dense, ZeRO-2: extrapolated from 2 and 4 layers -13.7%)
         full_depth = True
-        what += f"; {'ZeRO-0' if zero_stage == 0 else 'the lean kernels'}' backward peak does not extrapolate with depth"
+        what += f"; the backward peak of {'ZeRO-0' if zero_stage == 0 else 'the lean kernels'} does not extrapolate with depth"
     if full_depth or total <= d2:
         phases = run_phases(spec, seq_len, micro_batch, checkpointing, **kw)
         return Measurement(phases, f"{what}; all {total} layers built", (total,), total)

@@ -113,6 +113,7 @@ def test_out_for_a_plan_that_does_not_fit_writes_only_the_plan_and_no_launch_lin
     (["fit", "--model", "b7", "--gpu-mem", "nan", "--gpu-tflops", "300"], "--gpu-mem must be a finite number, got nan"),
     (["fit", "--model", "b7", "--gpu", "a100", "--mfu", "nan"], "--mfu must be a finite number, got nan"),
     (["fit", "--model", "b7", "--gpu", "a100", "--price", "nan"], "--price must be a finite number"),
+    (["fit", "--model", "b1", "--gpu", "a100", "--tokens", "1e30"], "--tokens must be <= 1e+15, got 1e+30"),
 ])
 def test_bad_input_exits_2_with_one_line_and_no_traceback(args, message):
     r = adaptive(*args)
@@ -120,6 +121,14 @@ def test_bad_input_exits_2_with_one_line_and_no_traceback(args, message):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], r.stderr
     assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_version_is_the_installed_package_s():
+    from importlib.metadata import version
+
+    r = adaptive("--version")
+    assert r.returncode == 0 and r.stdout == f"adaptive {version('adaptive-training')}\n", r.stderr
+    assert "--version" in adaptive("--help").stdout
 
 
 def test_out_that_is_a_file_exits_2(tmp_path):

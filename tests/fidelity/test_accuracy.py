@@ -149,4 +149,4 @@ def test_zero0_is_measured_at_full_depth():
     13.50 GiB (gradients accumulated while activations are freed). debug_200m: 12 layers."""
     spec = preset_spec("debug_200m", "dense")
     m = measure_step(spec, 256, 1, False, zero_stage=0)
-    assert m.depths == (12,) and "does not extrapolate" in m.method
+    assert m.depths == (12,) and "the backward peak of ZeRO-0 does not extrapolate with depth" in m.method
