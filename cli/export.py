@@ -30,10 +30,13 @@ def export(run_dir: RunDir, export_format: Format = "auto", out: Out = None, jso
     hf_logging.disable_progress_bar()  # the loading bar is noise on a one-line command
     # loading imports DeepSpeed (through accelerate), whose logger prints to stdout: keep stdout for our output
     with contextlib.redirect_stdout(sys.stderr):
-        path, chosen = convert_export(run_dir, export_format, out)
+        path, chosen, written = convert_export(run_dir, export_format, out)
     if json_output:
-        print(json.dumps({"path": str(path), "format": chosen.format, "reason": chosen.reason}))
+        print(json.dumps({"path": str(path), "format": chosen.format, "reason": chosen.reason, "written": written}))
         return
     from rich.console import Console
 
+    if not written:
+        Console().print(f"{path}: {chosen.reason}", soft_wrap=True)
+        return
     Console().print(f"Wrote {path} as [bold]{chosen.format}[/bold]: {chosen.reason}", soft_wrap=True)

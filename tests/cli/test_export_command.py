@@ -42,6 +42,51 @@ def test_export_refuses_an_impossible_format_in_one_line(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1
 
 
+def portable_export(run_dir, arch: str, export_format: str):
+    """A run whose final export is already portable, as the loop writes it for a dense or plain MoE model."""
+    from adaptive.models.export import export_pretrained
+
+    tiny_export(run_dir / "source", arch)
+    from adaptive.models import AdaptiveForCausalLM
+
+    model = AdaptiveForCausalLM.from_pretrained(run_dir / "source" / "hf")
+    export_pretrained(model, run_dir / "hf", export_format)
+    return model
+
+
+def test_an_export_that_already_is_llama_is_said_to_be_and_left_as_it_is(tmp_path):
+    portable_export(tmp_path, "dense", "llama")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    done = adaptive("export", str(tmp_path), "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result == {"path": str(tmp_path / "hf"), "format": "llama", "written": False,
+                      "reason": "already llama: it loads as LlamaForCausalLM as it is; nothing to export"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    shown = adaptive("export", str(tmp_path), "--format", "llama")
+    assert shown.returncode == 0 and "already llama" in shown.stdout
+
+
+def test_a_mixtral_export_converts_to_adaptive_with_the_same_logits_and_refuses_llama_in_one_line(tmp_path):
+    from transformers import MixtralForCausalLM
+
+    from adaptive.models import AdaptiveForCausalLM
+
+    portable_export(tmp_path, "moe", "mixtral")
+    done = adaptive("export", str(tmp_path), "--format", "adaptive", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert (result["path"], result["format"], result["written"]) == (str(tmp_path / "hf-adaptive"), "adaptive", True)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = AdaptiveForCausalLM.from_pretrained(tmp_path / "hf-adaptive").eval()(ids).logits
+        theirs = MixtralForCausalLM.from_pretrained(tmp_path / "hf").eval()(ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    refused = adaptive("export", str(tmp_path), "--format", "llama")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert refused.stderr.startswith("error: cannot export as llama:"), refused.stderr
+
+
 @pytest.mark.slow  # three exports, each a fresh interpreter with torch and transformers
 def test_export_replaces_an_old_conversion_whole_and_never_a_folder_that_is_not_one(tmp_path):
     tiny_export(tmp_path, "dense")

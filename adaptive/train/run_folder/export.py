@@ -14,16 +14,20 @@ from adaptive.durable import fsync_tree, replace_dir, temporary_name
 from adaptive.models.export import ExportFormat
 
 FINAL_EXPORT = "hf"  # the folder of a run's final export (adaptive.train.run.loop writes it)
+PORTABLE = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}  # what a run's export may already be
 
 
-def convert_export(source: Path, export_format: str = "auto", out: Path | None = None) -> tuple[Path, ExportFormat]:
-    """Rewrite an HF export (a run dir's `hf/` folder, or any adaptive model folder) in `export_format`.
+def convert_export(source: Path, export_format: str = "auto",
+                   out: Path | None = None) -> tuple[Path, ExportFormat, bool]:
+    """Rewrite an HF export (a run dir's `hf/` folder, or a model folder: adaptive, llama or mixtral) in
+    `export_format`.
 
     Writes `out` (default: `<source>-<format>` beside it) with the tokenizer files and `adaptive_export.json`
-    carried over; returns the folder and the `ExportFormat` chosen.
+    carried over; returns the folder, the `ExportFormat` chosen and True. A llama or mixtral export asked for
+    in its own format (or `auto`) is already what the user wants: nothing is written, and the source folder,
+    its format and False come back.
     """
     from adaptive.errors import AdaptiveError
-    from adaptive.models import AdaptiveForCausalLM
     from adaptive.models.export import choose_format, export_pretrained
 
     source = Path(source)
@@ -32,9 +36,14 @@ def convert_export(source: Path, export_format: str = "auto", out: Path | None =
     if not (source / "config.json").exists():
         raise AdaptiveError(f"no HF export in {str(source)!r}: expected config.json there or in its hf/ folder")
     config = json.loads((source / "config.json").read_text(encoding="utf-8"))
-    if config.get("model_type") != "adaptive":
-        raise AdaptiveError(f"{str(source)!r} holds a {config.get('model_type')!r} model; convert takes an adaptive one")
-    model = AdaptiveForCausalLM.from_pretrained(source)
+    model_type = config.get("model_type")
+    if model_type in PORTABLE and export_format in ("auto", model_type):
+        return source, ExportFormat(model_type, f"already {model_type}: it loads as {PORTABLE[model_type]} "
+                                                f"as it is; nothing to export"), False
+    if model_type not in ("adaptive", *PORTABLE):
+        raise AdaptiveError(f"{str(source)!r} holds a {model_type!r} model; adaptive export reads adaptive, llama "
+                            "and mixtral exports")
+    model = _load(source, model_type)
     chosen = choose_format(model.config, model.state_dict(), export_format)
     target = Path(out) if out is not None else source.with_name(f"{source.name}-{chosen.format}")
     if target.resolve() == source.resolve():
@@ -59,7 +68,23 @@ def convert_export(source: Path, export_format: str = "auto", out: Path | None =
         raise AdaptiveError(f"cannot write the export to {str(target)!r}: {err.strerror or err}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target, chosen
+    return target, chosen, True
+
+
+def _load(source: Path, model_type: str):
+    """Our model from an adaptive folder, or from a llama/mixtral one through `--init-from`'s mapping (exact:
+    those exports were written from our models)."""
+    from adaptive.models import AdaptiveForCausalLM
+
+    if model_type == "adaptive":
+        return AdaptiveForCausalLM.from_pretrained(source)
+    from adaptive.plan.architecture.hf_config import spec_from_hf_config
+    from adaptive.train.run_folder.init_from import load_init_weights, source_arch, target_config
+
+    arch = source_arch({"model_type": model_type})
+    model = AdaptiveForCausalLM(target_config(str(source), spec_from_hf_config(source, arch)))
+    load_init_weights(model, str(source))
+    return model.eval()
 
 
 __all__ = ["FINAL_EXPORT", "convert_export"]
