@@ -8,7 +8,9 @@
 The preset and architecture come from the recipe's own declaration (`recipe = Recipe(model="b1",
 arch="mod")`), unless --model/--arch override them; launch takes every run option a recipe takes.
 The run folder gets ds_config.json, accelerate_config.yaml and plan.json (the same planner and
-emitters as `adaptive fit --out`). Every command is accelerate's launcher:
+emitters as `adaptive fit --out`). Without --gpu it plans for this machine's GPU, or, without one, for the
+CPU run the recipe makes when run directly (its ds_config.json is that run's: fp32, CPU-sized knobs).
+Every command is accelerate's launcher:
 
 * one node: `accelerate launch --config_file RUN/accelerate_config.yaml RECIPE ...`;
 * several nodes without a hostfile: the same command on every node with its --machine_rank and
@@ -26,6 +28,7 @@ is. Imports no torch.
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
 import re
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from adaptive.config.run import TRAIN, RunConfig, to_argv
+from adaptive.durable import atomic_write_text
 from adaptive.errors import AdaptiveError
 from adaptive.extras import require
 from adaptive.plan import Plan, fit, make_request
@@ -162,15 +166,30 @@ def plan_launch(req: LaunchRequest) -> Launch:
     if not 0 <= req.machine_rank < nodes:
         raise AdaptiveError(f"--machine-rank must be in 0..{nodes - 1}, got {req.machine_rank}")
     par = config.parallelism
-    model = planned_model(config.model.init_from, preset, arch)  # --init-from: the checkpoint's shape
-    request = make_request(model=model, arch=arch, gpu=gpu, kernels="lean", gpus=gpus, nodes=nodes,
-                           seq_len=config.data.seq_len or 2048, min_seq_len=config.data.min_seq_len,
-                           tokens=config.schedule.tokens, zero=par.zero, offload=par.offload,
-                           micro_batch=par.micro_batch, grad_accum=par.grad_accum,
-                           checkpointing=config.checkpointing.gradient_checkpointing, ep_size=par.ep_size,
-                           ds_config=par.ds_config, sp_size=par.sp_size, tp_size=par.tp_size, zero_hpz=par.zero_hpz,
-                           zero_quantize=par.zero_quantize)
-    plan = fit(request)
+    notes = []
+    cpu_ds_config = None
+    if gpu is None:  # no CUDA here: the run the recipe makes when run directly on this CPU
+        if nodes > 1:
+            raise AdaptiveError(f"no CUDA GPU found here, and a CPU run is one machine: drop --nodes {nodes}, or "
+                                "pass --gpu NAME to plan for GPUs (see `adaptive gpus`)")
+        from adaptive.train.run.runplan import Device, World, plan_run
+
+        cpu_run = plan_run(config, preset, arch, World(gpus, gpus), Device("cpu", None))
+        plan, request, cpu_ds_config = cpu_run.plan, cpu_run.plan.request, cpu_run.ds_config
+        k = cpu_run.knobs
+        notes.append(f"no CUDA GPU here: {gpus} CPU process(es) train in {cpu_run.precision}, sized as a recipe run "
+                     f"directly (sequence {k.seq_len}, micro-batch {k.micro_batch_size} x {k.gradient_accumulation_steps}"
+                     f", {cpu_run.max_steps} steps unless --max-steps); the plan's GPU memory and speed do not apply")
+    else:
+        model = planned_model(config.model.init_from, preset, arch)  # --init-from: the checkpoint's shape
+        request = make_request(model=model, arch=arch, gpu=gpu, kernels="lean", gpus=gpus, nodes=nodes,
+                               seq_len=config.data.seq_len or 2048, min_seq_len=config.data.min_seq_len,
+                               tokens=config.schedule.tokens, zero=par.zero, offload=par.offload,
+                               micro_batch=par.micro_batch, grad_accum=par.grad_accum,
+                               checkpointing=config.checkpointing.gradient_checkpointing, ep_size=par.ep_size,
+                               ds_config=par.ds_config, sp_size=par.sp_size, tp_size=par.tp_size,
+                               zero_hpz=par.zero_hpz, zero_quantize=par.zero_quantize)
+        plan = fit(request)
     if not plan.fits:
         hint = f"; would fit: {plan.suggestions[0]}" if plan.suggestions else ""
         raise AdaptiveError(f"{preset} {arch} does not fit {request.world_size} x {request.gpu.name}{hint}")
@@ -188,6 +207,8 @@ def plan_launch(req: LaunchRequest) -> Launch:
     keep = req.dry_run and not config.output.overwrite and any(path.exists() for path in files.values())
     if not keep:
         files = write_plan_files(plan, run_dir)
+        if cpu_ds_config is not None:  # what the recipe runs on this CPU (fp32, its knobs), not the GPU plan's
+            atomic_write_text(files["ds_config"], json.dumps(cpu_ds_config, indent=2) + "\n")
     main_ip = req.main_process_ip or (hosts[0][0] if hosts else None)
     acc = accelerate_config(plan.shown.setup, str(files["ds_config"]))
     if nodes > 1:
@@ -204,12 +225,11 @@ def plan_launch(req: LaunchRequest) -> Launch:
     s = plan.shown.setup
     # a DeepSpeed file of yours goes to the recipe as it is (its "auto" values are the recipe's to fill)
     handed = config.replace(ds_config=par.ds_config or str(files["ds_config"]), output_dir=str(run_dir),
-                            gpu=request.gpu.name,
+                            gpu=request.gpu.name if cpu_ds_config is None else None,
                             gpus=None, nodes=None, seq_len=s.seq_len, gradient_checkpointing=s.gradient_checkpointing,
                             ep_size=s.ep_size if s.spec.is_moe else None)
     recipe_args = [str(recipe.resolve()), *to_argv(handed, TRAIN), *req.recipe_args]
     base = ["accelerate", "launch", "--config_file", str(files["accelerate_config"])]
-    notes = []
     deepspeed_command = None
     if nodes == 1:
         launcher = "single-node"
@@ -318,13 +338,12 @@ class _LauncherLogsHeld(logging.Handler):
         self.records.clear()
 
 
-def _detected_gpu() -> str:
+def _detected_gpu() -> str | None:
+    """The catalog name of this machine's CUDA GPU; None without one (the run trains on the CPU)."""
     from adaptive.train.run.runplan import detect_device
 
     device = detect_device(None)
-    if device.gpu is None:
-        raise AdaptiveError("no CUDA GPU found here; pass --gpu NAME to plan for one (see `adaptive gpus`)")
-    return device.gpu.name
+    return device.gpu.name if device.gpu is not None else None
 
 
 __all__ = ["Launch", "LaunchRequest", "MAIN_NODE_PLACEHOLDER", "plan_launch", "read_hostfile", "run_launch"]

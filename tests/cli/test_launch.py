@@ -208,3 +208,50 @@ def test_sp_tp_and_zero_plus_plus_pins_reach_the_recipe_and_deepspeed_accepts_th
     from adaptive.train.run.runplan import check_with_deepspeed
 
     check_with_deepspeed(ds, 2)  # DeepSpeed's own DeepSpeedConfig takes every key
+
+
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+DEBUG = str(REPO_ROOT / "recipes" / "debug_dense.py")
+
+
+@pytest.mark.skipif(_cuda_here(), reason="plans for the CPU only where there is no CUDA GPU")
+def test_without_a_gpu_or_gpu_flag_launch_plans_the_cpu_run_the_recipe_makes(tmp_path):
+    out = launch_json(DEBUG, "--gpus", "2", "--run-dir", str(tmp_path))
+    assert any(note.startswith("no CUDA GPU here: 2 CPU process(es) train in fp32") for note in out["notes"])
+    ds = json.loads((tmp_path / "ds_config.json").read_text())
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (4, 1)
+    assert "bf16" not in ds and "fp16" not in ds  # fp32 on the CPU, as the recipe run directly
+    assert yaml.safe_load((tmp_path / "accelerate_config.yaml").read_text())["num_processes"] == 2
+    args = shlex.split(out["commands"][0])
+    assert "--gpu" not in args and args[args.index("--seq-len") + 1] == "128"
+    # the recipe run directly on this machine plans the same knobs
+    done = subprocess.run([sys.executable, *args[4:], "--dry-run"], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=60, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr
+    knobs = json.loads(done.stdout)["run"]["knobs"]
+    assert (knobs["micro_batch_size"], knobs["seq_len"]) == (4, 128)
+
+
+@pytest.mark.skipif(_cuda_here(), reason="plans for the CPU only where there is no CUDA GPU")
+def test_without_a_gpu_several_nodes_are_refused_in_one_line(tmp_path):
+    done = adaptive("launch", DEBUG, "--nodes", "2", "--dry-run", "--run-dir", str(tmp_path))
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert "no CUDA GPU found here, and a CPU run is one machine" in done.stderr
+
+
+@pytest.mark.slow  # a real launch: accelerate, DeepSpeed and two training steps
+@pytest.mark.skipif(_cuda_here(), reason="plans for the CPU only where there is no CUDA GPU")
+def test_launch_on_a_cpu_machine_trains_cpu_sized_batches(tmp_path):
+    env = subprocess_env(COLUMNS="200", HF_HOME=str(tmp_path / "home"), ADAPTIVE_CACHE=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-m", "cli", "launch", DEBUG, "--max-steps", "2", "--output-dir",
+                           str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=600, cwd=REPO_ROOT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    start = next(json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+                 if json.loads(line)["kind"] == "start")
+    assert (start["device"], start["precision"], start["max_steps"]) == ("cpu", "fp32", 2)
+    assert (start["knobs"]["micro_batch_size"], start["knobs"]["seq_len"]) == (4, 128)
