@@ -190,6 +190,11 @@ def plan_launch(req: LaunchRequest) -> Launch:
                                ds_config=par.ds_config, sp_size=par.sp_size, tp_size=par.tp_size,
                                zero_hpz=par.zero_hpz, zero_quantize=par.zero_quantize)
         plan = fit(request)
+        if not req.dry_run and config.hardware.gpu and not _cuda_available():
+            s0 = plan.shown.setup
+            notes.append(f"no CUDA GPU here: the run trains this {request.gpu.name} plan's batches (micro-batch "
+                         f"{s0.micro_batch_size} x sequence {s0.seq_len}) on the CPU; without --gpu it plans a "
+                         "CPU-sized run")
     if not plan.fits:
         hint = f"; would fit: {plan.suggestions[0]}" if plan.suggestions else ""
         raise AdaptiveError(f"{preset} {arch} does not fit {request.world_size} x {request.gpu.name}{hint}")
@@ -336,6 +341,12 @@ class _LauncherLogsHeld(logging.Handler):
         for record in self.records:
             logging.getLogger(record.name).handle(record)
         self.records.clear()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _detected_gpu() -> str | None:

@@ -255,3 +255,17 @@ def test_launch_on_a_cpu_machine_trains_cpu_sized_batches(tmp_path):
                  if json.loads(line)["kind"] == "start")
     assert (start["device"], start["precision"], start["max_steps"]) == ("cpu", "fp32", 2)
     assert (start["knobs"]["micro_batch_size"], start["knobs"]["seq_len"]) == (4, 128)
+
+
+@pytest.mark.skipif(_cuda_here(), reason="a GPU plan trains as planned where there is a CUDA GPU")
+def test_a_gpu_plan_launched_on_a_cpu_machine_says_it_trains_gpu_sized_batches_there(tmp_path):
+    from adaptive.config.run import RunConfig
+    from adaptive.launch import LaunchRequest, plan_launch
+
+    config = RunConfig().replace(gpu="a100-80gb", output_dir=str(tmp_path / "run"))
+    planned = plan_launch(LaunchRequest(recipe=DEBUG, config=config))  # not a dry run; nothing is started here
+    setup = planned.plan.shown.setup
+    assert f"no CUDA GPU here: the run trains this a100-80gb plan's batches (micro-batch {setup.micro_batch_size} x " \
+           f"sequence {setup.seq_len}) on the CPU" in " ".join(planned.notes)
+    dry = plan_launch(LaunchRequest(recipe=DEBUG, config=config.replace(output_dir=str(tmp_path / "dry")), dry_run=True))
+    assert not any(note.startswith("no CUDA GPU") for note in dry.notes)  # planning for a GPU from a laptop is normal
