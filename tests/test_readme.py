@@ -119,3 +119,29 @@ def test_a_recipes_dry_run_in_the_readme_prints_its_plan():
                           timeout=300, cwd=REPO_ROOT)
     assert done.returncode == exits, done.stderr
     assert json.loads(done.stdout)["plan"]["fits"] is True
+
+
+def test_the_use_the_trained_model_example_runs_on_a_runs_export(tmp_path, monkeypatch, capsys):
+    """README's "Use the trained model" code, as written, on the export a debug MoE run leaves (mixtral format,
+    with the built-in tokenizer)."""
+    import torch
+
+    from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
+    from adaptive.models.export import export_pretrained
+    from adaptive.train.data.tokenizer import load_tokenizer
+
+    section = readme_text().split("### Use the trained model", 1)[1].split("\n### ", 1)[0]
+    code, = re.findall(r"```python\n(.*?)\n```", section, flags=re.S)
+    monkeypatch.setenv("ADAPTIVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    folder = tmp_path / "runs" / "debug_moe" / "hf"
+    export_pretrained(AdaptiveForCausalLM(AdaptiveConfig.from_preset("debug", arch="moe")), folder, "mixtral")
+    load_tokenizer(None).save_pretrained(folder)
+    (tmp_path / "my_text.txt").write_text("Patience, n. A minor form of despair, disguised as a virtue. " * 40)
+
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+    generated, perplexity = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert generated.startswith("The devil is") and len(generated) > len("The devil is")
+    words = perplexity.split()
+    assert words[0] == "perplexity" and 1 < float(words[1]) < 10 * 2048, perplexity  # untrained: about the vocab
