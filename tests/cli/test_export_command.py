@@ -44,11 +44,10 @@ def test_export_refuses_an_impossible_format_in_one_line(tmp_path):
 
 def portable_export(run_dir, arch: str, export_format: str):
     """A run whose final export is already portable, as the loop writes it for a dense or plain MoE model."""
+    from adaptive.models import AdaptiveForCausalLM
     from adaptive.models.export import export_pretrained
 
     tiny_export(run_dir / "source", arch)
-    from adaptive.models import AdaptiveForCausalLM
-
     model = AdaptiveForCausalLM.from_pretrained(run_dir / "source" / "hf")
     export_pretrained(model, run_dir / "hf", export_format)
     return model

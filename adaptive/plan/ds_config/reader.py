@@ -118,6 +118,11 @@ def offload_pin(optimizer_device: str | None, param_device: str | None) -> str |
 ZERO_QUANTIZE = {"off": (False, False), "weights": (True, False), "gradients": (False, True), "both": (True, True)}
 
 
+def zero_quantize_name(weights: Any, gradients: Any) -> str:
+    """The --zero-quantize value of a file's zero_quantized_weights/gradients (True is on, anything else off)."""
+    return next(k for k, v in ZERO_QUANTIZE.items() if v == (weights is True, gradients is True))
+
+
 def pins(data: dict[str, Any]) -> dict[str, Any]:
     """The knobs a checked DeepSpeed config fixes (explicit values only): zero, offload, micro_batch,
     grad_accum, clipping, precision, and the layout: sp_size, tp_size (autotp_size 0 is 1, off), zero_hpz,
@@ -146,7 +151,7 @@ def pins(data: dict[str, Any]) -> dict[str, Any]:
         out["tp_size"] = 1
     quantized = [zero.get(k) for k in ("zero_quantized_weights", "zero_quantized_gradients")]
     if any(q not in (None, AUTO) for q in quantized):
-        out["zero_quantize"] = next(k for k, v in ZERO_QUANTIZE.items() if v == tuple(q is True for q in quantized))
+        out["zero_quantize"] = zero_quantize_name(*quantized)
     return out
 
 
@@ -312,8 +317,7 @@ def merge_parallel_pins(ds: DsConfigInput, sp_size: int | None, tp_size: int | N
     sources = dict(ds.sources)
     file_quant = None
     if ds.zero_quantized_weights is not None or ds.zero_quantized_gradients is not None:
-        w, g = bool(ds.zero_quantized_weights), bool(ds.zero_quantized_gradients)
-        file_quant = "both" if w and g else "weights" if w else "gradients" if g else "off"
+        file_quant = zero_quantize_name(ds.zero_quantized_weights, ds.zero_quantized_gradients)
     pins = {"--sp-size": (sp_size, ds.sp_size, "sp_size"), "--tp-size": (tp_size, ds.tp_size, "tp_size"),
             "--zero-hpz": (zero_hpz, ds.zero_hpz, "zero_hpz"),
             "--zero-quantize": (zero_quantize, file_quant, "zero_quantized_weights")}

@@ -319,12 +319,9 @@ def layout_pins(par: Any, source: DeepSpeedSource) -> dict[str, Any]:
     """--sp-size, --tp-size, --zero-hpz and --zero-quantize, merged with the values a DeepSpeed file pins
     (its sequence_parallel_size, tensor_parallel.autotp_size, zero_optimization.zero_hpz_partition_size
     and zero_quantized_weights/gradients); a flag that contradicts the file is an error."""
-    pinned = source.pins or {}
-    out = {key: _merge_pin(key, getattr(par, key), pinned.get(key), source)
-           for key in ("sp_size", "tp_size", "zero_hpz", "zero_quantize")}
-    if out["tp_size"] == 0:  # DeepSpeed's autotp_size 0 is off
-        out["tp_size"] = 1
-    return out
+    pinned = source.pins or {}  # the reader's pins: autotp_size 0 (off) already reads as tp_size 1
+    return {key: _merge_pin(key, getattr(par, key), pinned.get(key), source)
+            for key in ("sp_size", "tp_size", "zero_hpz", "zero_quantize")}
 
 
 def zero_plus(layout: dict[str, Any]) -> dict[str, Any]:
