@@ -40,7 +40,8 @@ def compare(
     """Compare model x arch x GPU: fits, plan, peak memory, tokens/s, hours, cost, cost per 1B tokens."""
     hw, tokens = config.hardware, config.schedule.tokens
     rows = compare_plans(_split(model), _split(arch), _split(gpu), gpus=hw.gpus or 1, nodes=hw.nodes or 1,
-                         seq_len=config.data.seq_len or 2048, tokens=tokens)
+                         seq_len=config.data.seq_len or 2048, tokens=tokens, loss_law=config.quality.loss_law,
+                         dataset_tokens=config.quality.dataset_tokens)
     dicts = [row_dict(r) for r in rows]
     if json_output:
         print(json.dumps(dicts, indent=2))
@@ -57,24 +58,28 @@ def compare(
 
     t = Table(title="Comparison (estimated; each plan as `adaptive fit` would choose it)", box=box.SIMPLE_HEAD,
               collapse_padding=True)
-    for col in ("model", "arch", "gpu", "fits", "plan", "peak", "tokens/s", "time", "cost", "$/1B tok", "best"):
-        t.add_column(col, justify="right" if col in ("peak", "tokens/s", "time", "cost", "$/1B tok") else "left",
-                     no_wrap=col in ("fits", "plan"))
+    numbers = ("peak", "tokens/s", "time", "cost", "$/1B tok", "loss")
+    for col in ("model", "arch", "gpu", "fits", "plan", "peak", "tokens/s", "time", "cost", "$/1B tok", "loss", "best"):
+        t.add_column(col, justify="right" if col in numbers else "left", no_wrap=col in ("fits", "plan"))
     for d in dicts:
         off = "" if d["offload"] == "none" else f" off:{d['offload']}"
         plan = (f"Z{d['zero_stage']}{off} mb{d['micro_batch_size']}x{d['gradient_accumulation_steps']}"
                 f"{' ckpt' if d['gradient_checkpointing'] else ''} s{d['seq_len']}"
                 f"{' tp' + str(d['tp_size']) if d['tp_size'] > 1 else ''}{' sp' + str(d['sp_size']) if d['sp_size'] > 1 else ''}")
-        best = " ".join(n for n, k in (("quality", "best_quality"), ("speed", "best_speed"), ("cost", "best_cost"))
-                        if d[k])
+        best = " ".join(n for n, k in (("loss", "best_quality"), ("cheapest", "cheapest"), ("speed", "best_speed"),
+                                       ("$/token", "best_cost"), ("loss/$", "best_loss_per_dollar")) if d[k])
         t.add_row(d["model"], d["arch"], f"{d['num_gpus']}x{d['gpu']}", "yes" if d["fits"] else f"[red]no[/red]: {_why_not(d)}",
                   plan, gib(d["peak_gpu_bytes"]), human(d["tokens_per_second"]),
                   duration(d["train_hours"]) if d["fits"] else "-", f"${d['cost_usd']:,.0f}" if d["fits"] else "-",
-                  f"${d['cost_per_1b_tokens_usd']:,.2f}" if d["fits"] else "-", best)
+                  f"${d['cost_per_1b_tokens_usd']:,.2f}" if d["fits"] else "-", f"{d['predicted_loss']:.3f}", best)
     console.print(t)
     if not all(d["fits"] for d in dicts):
         console.print("no: GPU = even the smallest peak exceeds the GPU's memory; no: host RAM = it fits the GPU only "
                       "with CPU offload, which needs more host RAM per node than it has (needed/available; --json and "
                       "--csv say it in why_not, why_not_detail).")
-    console.print(f"Token budget: {'given' if tokens else '20 x active params per model (Chinchilla)'}. "
-                  "best quality = most active params that fit; speed = most tokens/s; cost = lowest $ per 1B tokens.")
+    laws = sorted({d["loss_law"] for d in dicts})
+    console.print(f"Token budget: {'given' if tokens else '20 x active params per model (Chinchilla)'}. loss = "
+                  f"predicted final loss ({'; '.join(laws)}; `adaptive fit` shows its band and source). best: loss = "
+                  "lowest predicted loss; cheapest = lowest cost of the run; speed = most tokens/s; $/token = lowest $ "
+                  "per 1B tokens; loss/$ = most loss reduction per extra dollar over the cheapest run. Each among "
+                  "the plans that fit.", soft_wrap=True)

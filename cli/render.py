@@ -204,6 +204,8 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
     speed.add_row("cost", f"${p.cost:,.2f} at ${req.gpu.price_per_hour:.2f}/GPU-hour "
                   f"(${p.cost / p.train_tokens * 1e9:,.2f} per 1B tokens)")
     out(speed)
+    if p.quality is not None:
+        out(quality_table(p))
 
     lad = Table(title="OOM playbook with our numbers (micro-batch 1)", box=box.SIMPLE_HEAD)
     lad.add_column("step")
@@ -229,6 +231,60 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
         out(f"Launch: accelerate launch --config_file {files['accelerate_config']} recipes/<recipe>.py "
                       f"--ds-config {files['ds_config']}", soft_wrap=True)  # one line, to copy
     _print_all(shown)
+
+
+def budget(result, files: dict[str, Path] | None = None) -> None:  # noqa: ANN001 - a search.budget.BudgetResult
+    """The best plan of each arch that the budget buys, then the winner's plan in full."""
+    best = result.best
+    req = best.request
+    t = Table(title=f"What {result.budget.describe()} buys on {req.world_size} x {req.gpu.name} "
+                    f"({duration(result.hours)} of training; lowest predicted loss first)", box=box.SIMPLE_HEAD)
+    for col in ("arch", "model", "params", "active", "tokens", "tok/param", "tokens/s", "time", "cost", "loss (band)"):
+        t.add_column(col, justify="left" if col in ("arch", "model") else "right")
+    for p in result.by_arch:
+        lo, hi = p.quality.band
+        t.add_row(p.request.spec.arch, p.request.spec.name, human(p.counts.total), human(p.counts.active),
+                  human(p.train_tokens), f"{p.train_tokens / p.counts.active:.0f}",
+                  human(p.shown.throughput.tokens_per_second), duration(p.hours), f"${p.cost:,.0f}",
+                  Text(f"{p.quality.predicted_loss:.3f} ({lo:.3f}-{hi:.3f})", style="bold" if p is best else ""))
+    console.print(t)
+    console.print(f"Best: {best.request.spec.name} {best.request.spec.arch} ({human(best.counts.total)} params, "
+                  f"width {best.request.spec.hidden_size} x {best.request.spec.num_hidden_layers} layers) on "
+                  f"{human(best.train_tokens)} tokens; {result.planned} models planned on the size ladder "
+                  "(adaptive/plan/architecture/ladder.py). Losses within each other's bands are a tie the laws "
+                  "cannot break.", soft_wrap=True)
+    plan(best, {k: v for k, v in (files or {}).items() if k != "model_config"} or None)
+    if files:
+        h = best.hyperparams
+        lr = f" --lr {best.request.lr or h.lr:.2g}" if h else ""
+        console.print(f"Train it: accelerate launch --config_file {files['accelerate_config']} "
+                      f"recipes/b1_{best.request.spec.arch}.py --model {files['model_config']} --tokens "
+                      f"{best.train_tokens:.4g}{lr} --ds-config {files['ds_config']}", soft_wrap=True)
+
+
+def quality_table(p: Plan) -> Table:
+    """The predicted final loss, its band, the law and what it assumed."""
+    q = p.quality
+    t = Table(title="Quality (predicted final loss)", box=box.SIMPLE_HEAD, show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    lo, hi = q.band
+    t.add_row("loss", f"{q.predicted_loss:.3f} nats/token (band {lo:.3f}-{hi:.3f})")
+    plo, phi = q.perplexity_band
+    t.add_row("perplexity", f"{q.perplexity:.2f} ({plo:.2f}-{phi:.2f})")
+    t.add_row("law", f"{q.law} ({q.kind})")
+    t.add_row("loss measured on", q.fitted_on)
+    for note in q.notes:
+        t.add_row("note", note)
+    h = p.hyperparams
+    if h is not None:
+        pinned = p.request.global_batch_tokens is not None
+        t.add_row("compute-optimal batch, lr", f"{human(h.global_batch_tokens)} tokens, {h.lr:.2g} "
+                  f"(DeepSeek LLM 2024{', extrapolated' if h.extrapolated else ''}); this plan: "
+                  f"{human(p.global_batch_tokens)} tokens{' (pinned)' if pinned else ''}"
+                  + (f", lr {p.request.lr:g} (pinned)" if p.request.lr else ""))
+    t.add_row("source", q.source)
+    return t
 
 
 def measure_report(report, files: dict | None = None) -> None:

@@ -143,10 +143,11 @@ LAYERS = {
         "architecture": set(),  # the model: pure data and arithmetic
         "hardware": set(),
         "estimate": {"architecture", "hardware"},  # the estimates never import the search
-        "search": {"architecture", "hardware", "estimate"},  # nor does the search import the DeepSpeed configs
+        "quality": {"architecture", "estimate"},  # the loss a run buys: laws over the model and its FLOPs
+        "search": {"architecture", "hardware", "estimate", "quality"},  # nor does the search import the configs
         "ds_config": {"architecture", "hardware", "estimate", "search"},
         "evidence": {"architecture", "hardware", "estimate", "search", "ds_config"},
-        "": {"architecture", "hardware", "estimate", "search", "ds_config", "evidence"},
+        "": {"architecture", "hardware", "estimate", "quality", "search", "ds_config", "evidence"},
     },
     "adaptive.train": {
         "data": set(),

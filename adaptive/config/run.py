@@ -150,6 +150,32 @@ class ScheduleOptions:
 
 
 @record
+class QualityOptions:
+    """The loss a run buys, and the best run a budget buys."""
+
+    loss_law: str | None = option(
+        None, "--loss-law", commands=FIT_ONLY | {COMPARE},
+        help="The scaling law that predicts the final loss: epoch (default: Besiroglu et al.'s refit of Chinchilla's "
+             "runs), chinchilla (Hoffmann et al. 2022, approach 3) or a law.json that `adaptive scale` fitted on "
+             "your data.")
+    dataset_tokens: float | None = option(
+        None, "--dataset-tokens", commands=FIT_ONLY | {COMPARE}, above=0.0, maximum=1e15,
+        help="Unique tokens in your dataset: a run longer than it repeats data, which the loss prediction "
+             "discounts (Muennighoff et al. 2023).")
+    budget_usd: float | None = option(
+        None, "--budget-usd", commands=FIT_ONLY, above=0.0, maximum=1e10,
+        help="Find the model, arch and token count with the lowest predicted loss that this many dollars buy on "
+             "--gpu x --gpus x --nodes.")
+    budget_gpu_hours: float | None = option(None, "--budget-gpu-hours", commands=FIT_ONLY, above=0.0, maximum=1e9,
+                                            help="As --budget-usd, in GPU-hours.")
+    budget_days: float | None = option(None, "--budget-days", commands=FIT_ONLY, above=0.0, maximum=3650.0,
+                                       help="As --budget-usd, in days of wall-clock time on the given GPUs.")
+    max_params: float | None = option(
+        None, "--max-params", commands=FIT_ONLY, above=0.0, maximum=1e13,
+        help="With a budget: consider only models with at most this many parameters in all (what serving costs).")
+
+
+@record
 class ParallelismOptions:
     """The DeepSpeed knobs the planner would otherwise choose."""
 
@@ -204,9 +230,9 @@ class OptimizerOptions:
         None, "--optimizer", commands=FIT_ONLY,
         help="Optimizer implementation: auto (fused AdamW, as adaptive runs), adamw_torch (foreach), "
              "adamw_torch_fused, deepspeed_fused_adam, deepspeed_cpu_adam.")
-    lr: float | None = option(None, "--lr", commands=RUN, above=0.0,
+    lr: float | None = option(None, "--lr", commands=RUN | FIT_ONLY, above=0.0,
                               help="Peak learning rate (default by preset: debug 3e-3, debug_200m 6e-4, b1 and "
-                                   "larger 3e-4).")
+                                   "larger 3e-4; a budget plan offers DeepSeek LLM's compute-optimal one).")
     warmup_steps: int | None = option(None, "--warmup-steps", commands=RUN, minimum=0,
                                       help="Linear warmup steps (default 5% of the run, at most 2000).")
     weight_decay: float = option(0.1, "--weight-decay", commands=RUN, minimum=0.0,
@@ -271,6 +297,7 @@ class OutputOptions:
 
 PANELS = {  # section -> its --help panel
     "model": "Model", "hardware": "Hardware", "data": "Data and sequence", "schedule": "Length",
+    "quality": "Quality and budget",
     "parallelism": "Knobs (pin what the planner would choose)", "checkpointing": "Knobs (pin what the planner would choose)",
     "optimizer": "Optimization", "orchestrator": "Orchestrator", "output": "Output, checkpoints, logs",
 }
@@ -284,6 +311,7 @@ class RunConfig:
     hardware: HardwareOptions = field(default_factory=HardwareOptions)
     data: DataOptions = field(default_factory=DataOptions)
     schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
+    quality: QualityOptions = field(default_factory=QualityOptions)
     parallelism: ParallelismOptions = field(default_factory=ParallelismOptions)
     checkpointing: CheckpointingOptions = field(default_factory=CheckpointingOptions)
     optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)

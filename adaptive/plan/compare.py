@@ -11,19 +11,36 @@ from adaptive.plan.request import make_request
 @dataclass(frozen=True)
 class Row:
     plan: Plan
-    best_quality: bool = False  # most active params among rows that fit (a quality proxy)
+    best_quality: bool = False  # lowest predicted final loss among rows that fit
     best_speed: bool = False  # most tokens/s among rows that fit
     best_cost: bool = False  # lowest cost per 1B tokens among rows that fit
+    cheapest: bool = False  # lowest cost of the whole run among rows that fit
+    best_value: bool = False  # most loss reduction per extra dollar over the cheapest run (best_value())
 
 
 def compare(models: list[str], archs: list[str], gpu_names: list[str], **request_kwargs) -> list[Row]:
     plans = [fit(make_request(model=m, arch=a, gpu=g, **request_kwargs), suggest=False)
              for m in models for a in archs for g in gpu_names]
     fitting = [p for p in plans if p.fits]
-    quality = max(fitting, key=lambda p: p.counts.active, default=None)
+    quality = min(fitting, key=lambda p: p.quality.predicted_loss, default=None)
     speed = max(fitting, key=lambda p: p.shown.throughput.tokens_per_second, default=None)
     cost = min(fitting, key=lambda p: p.cost / p.train_tokens, default=None)
-    return [Row(p, p is quality, p is speed, p is cost) for p in plans]
+    cheapest = min(fitting, key=lambda p: p.cost, default=None)
+    value = best_value(fitting)
+    return [Row(p, p is quality, p is speed, p is cost, p is cheapest, p is value) for p in plans]
+
+
+def best_value(fitting: list[Plan]) -> Plan | None:
+    """The best loss per dollar: of the runs with a lower predicted loss than the cheapest run, the one that buys
+    the most loss reduction per extra dollar spent over it; the cheapest run when none is better."""
+    if not fitting:
+        return None
+    base = min(fitting, key=lambda p: (p.cost, p.quality.predicted_loss))
+    better = [p for p in fitting if p.quality.predicted_loss < base.quality.predicted_loss]
+    if not better:
+        return base
+    return max(better, key=lambda p: (base.quality.predicted_loss - p.quality.predicted_loss)
+               / max(p.cost - base.cost, 1e-9))
 
 
 # the knobs a request can pin, as (FitRequest field, flag)
@@ -95,7 +112,12 @@ def row_dict(row: Row) -> dict:
         "train_hours": p.hours,
         "cost_usd": p.cost,
         "cost_per_1b_tokens_usd": p.cost / p.train_tokens * 1e9,
+        "predicted_loss": p.quality.predicted_loss,
+        "loss_band": list(p.quality.band),
+        "loss_law": p.quality.law,
         "best_quality": row.best_quality,
         "best_speed": row.best_speed,
         "best_cost": row.best_cost,
+        "cheapest": row.cheapest,
+        "best_loss_per_dollar": row.best_value,
     }

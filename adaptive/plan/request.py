@@ -12,6 +12,7 @@ from adaptive.plan.estimate.attention import ATTENTIONS
 from adaptive.plan.hardware.gpus import GiB, GPU, custom_gpu, get_gpu
 from adaptive.plan.architecture.hf_config import default_kernels, looks_like_path, spec_from_hf_config
 from adaptive.plan.estimate.optimizers import check_optimizer
+from adaptive.plan.quality.predict import resolve_law
 from adaptive.plan.search.planner import FitRequest
 from adaptive.plan.architecture.presets import ModelSpec, preset_spec
 
@@ -53,7 +54,8 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
                  calibrate: str | None = None, optimizer: str | None = None, attention: str = "sdpa",
                  ds_config: str | None = None, kernels: str | None = None,
                  checkpoint_policy: str | None = None, sp_size: int | None = None, tp_size: int | None = None,
-                 zero_hpz: int | None = None, zero_quantize: str | None = None) -> FitRequest:
+                 zero_hpz: int | None = None, zero_quantize: str | None = None, loss_law: str | None = None,
+                 dataset_tokens: float | None = None, lr: float | None = None) -> FitRequest:
     """`kernels` None: "lean" for adaptive's models, "plain" for a config.json transformers' class trains."""
     require_positive("--host-mem", host_mem_gib)
     spec = resolve_model(model, arch, mod_capacity)
@@ -97,6 +99,7 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         sp_size=sp_size, tp_size=tp_size, zero_hpz=zero_hpz,
         zero_quantized_weights=None if zero_quantize is None else zero_quantize in ("weights", "both"),
         zero_quantized_gradients=None if zero_quantize is None else zero_quantize in ("gradients", "both"),
+        loss_model=resolve_law(loss_law), unique_tokens=dataset_tokens, lr=lr,
     )
     if run is None:
         return request
@@ -140,4 +143,5 @@ def request_from_config(config: RunConfig, *, model: str = "b7", calibrate: str 
         host_mem_gib=hw.host_mem, gpu_mem_gib=hw.gpu_mem, gpu_tflops=hw.gpu_tflops, calibrate=calibrate,
         optimizer=config.optimizer.optimizer, attention=m.attention, ds_config=par.ds_config,
         kernels=m.kernels, checkpoint_policy=config.checkpointing.checkpoint_policy, sp_size=par.sp_size,
-        tp_size=par.tp_size, zero_hpz=par.zero_hpz, zero_quantize=par.zero_quantize)
+        tp_size=par.tp_size, zero_hpz=par.zero_hpz, zero_quantize=par.zero_quantize, loss_law=config.quality.loss_law,
+        dataset_tokens=config.quality.dataset_tokens, lr=config.optimizer.lr)

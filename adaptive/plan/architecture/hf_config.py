@@ -152,3 +152,19 @@ def default_kernels(spec: ModelSpec) -> str:
         return "lean"
     return "plain" if spec.arch == "dense" or spec.source[3:] in MOE_TYPES else "lean"
 
+
+
+def adaptive_config_dict(spec: ModelSpec) -> dict:
+    """`spec` as our own config.json (model_type "adaptive"): what `--model PATH/config.json` plans and trains, the
+    fields AdaptiveConfig.from_spec sets."""
+    return {"model_type": "adaptive", "architectures": ["AdaptiveForCausalLM"], "preset": spec.name,
+            "arch": spec.arch, "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_hidden_layers,
+            "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_key_value_heads,
+            "head_dim": spec.head_dim, "block_types": list(spec.layer_types),
+            "max_position_embeddings": spec.max_position_embeddings,
+            "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+            "tie_word_embeddings": spec.tie_word_embeddings, "qkv_bias": spec.qkv_bias, "o_bias": spec.o_bias,
+            "mlp_bias": spec.mlp_bias, "num_local_experts": spec.num_local_experts,
+            "num_experts_per_tok": spec.num_experts_per_tok, "moe_intermediate_size": spec.moe_intermediate_size,
+            "mod_capacity": spec.mod_capacity, "mod_predictor_hidden_size": spec.mod_predictor_hidden_size}

@@ -196,6 +196,12 @@ def candidate_dict(c: Candidate) -> dict:
     }
 
 
+def quality_dict(q):  # noqa: ANN001, ANN201 - quality.predict's, imported where a JSON is asked for
+    from adaptive.plan.quality.predict import quality_dict as as_dict
+
+    return as_dict(q)
+
+
 def plan_dict(plan: Plan) -> dict:
     """The stable `--json` schema (README documents it)."""
     req = plan.request
@@ -239,8 +245,56 @@ def plan_dict(plan: Plan) -> dict:
         "calibrated": list(req.calibrated),
         "calibration_source": req.calibration_source,
         "ds_config": ds_config_dict(plan),
+        "quality": quality_dict(plan.quality) if plan.quality else None,
+        "hyperparameters": hyperparams_dict(plan),
     }
     return out
+
+
+def hyperparams_dict(plan: Plan) -> dict | None:
+    """DeepSeek LLM's compute-optimal batch and learning rate for this run, and what the run uses."""
+    h = plan.hyperparams
+    if h is None:
+        return None
+    return {"offered_global_batch_tokens": h.global_batch_tokens, "offered_lr": h.lr, "compute_flops": h.flops,
+            "extrapolated": h.extrapolated, "source": h.source, "global_batch_tokens": plan.global_batch_tokens,
+            "global_batch_tokens_pinned": plan.request.global_batch_tokens is not None, "lr": plan.request.lr}
+
+
+def budget_dict(result) -> dict:  # noqa: ANN001 - a search.budget.BudgetResult
+    """fit --budget-*'s JSON: the winner's plan, and the budget with the best plan of each arch."""
+    b = result.budget
+    return {**plan_dict(result.best), "budget": {
+        "usd": b.usd, "gpu_hours": b.gpu_hours, "days": b.days, "hours_bought": result.hours,
+        "gpu_hours_bought": result.hours * result.best.request.world_size, "models_planned": result.planned,
+        "best_per_arch": [run_summary(p) for p in result.by_arch]}}
+
+
+def run_summary(p: Plan) -> dict:
+    """One plan in a line of figures: the model, its tokens, speed, cost and predicted loss."""
+    return {"model": p.request.spec.name, "arch": p.request.spec.arch, "params_total": p.counts.total,
+            "params_active": p.counts.active, "hidden_size": p.request.spec.hidden_size,
+            "num_hidden_layers": p.request.spec.num_hidden_layers, "train_tokens": p.train_tokens,
+            "tokens_per_param": p.train_tokens / p.counts.active,
+            "global_batch_tokens": p.global_batch_tokens, "tokens_per_second": p.shown.throughput.tokens_per_second,
+            "train_hours": p.hours, "cost_usd": p.cost, "predicted_loss": p.quality.predicted_loss,
+            "loss_band": list(p.quality.band), "lr": p.hyperparams.lr if p.hyperparams else None}
+
+
+def write_budget_files(result, out_dir: str | Path) -> dict[str, Path]:  # noqa: ANN001 - a BudgetResult
+    """The winner's files (write_plan_files), its model as config.json (`--model OUT` trains that shape), and
+    plan.json with the budget's section."""
+    from adaptive.plan.architecture.hf_config import adaptive_config_dict
+
+    files = write_plan_files(result.best, out_dir)
+    out = Path(out_dir)
+    try:
+        atomic_write_text(files["plan"], json.dumps(budget_dict(result), indent=2) + "\n")
+        model = out / "config.json"
+        atomic_write_text(model, json.dumps(adaptive_config_dict(result.best.request.spec), indent=2) + "\n")
+    except OSError as e:
+        raise AdaptiveError(f"cannot write the plan files into {str(out)!r}: {e.strerror or e}") from None
+    return {**files, "model_config": model}
 
 
 def ds_config_dict(plan: Plan) -> dict | None:

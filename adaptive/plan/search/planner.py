@@ -18,8 +18,11 @@ from adaptive.plan.estimate.memory import MemoryEstimate, TrainSetup, corrected,
 from adaptive.plan.estimate.parallel import Layout, divisors_up_to, layout_error
 from adaptive.plan.architecture.params import ParamCounts, count_params
 from adaptive.plan.architecture.presets import PRESETS, ModelSpec, spec_from_shape
+from adaptive.plan.quality.hyperparams import Hyperparams, compute_optimal
+from adaptive.plan.quality.predict import LossModel, Quality, predict
 from adaptive.plan.search.tight import TIGHT_MARGIN, deciding_part, is_tight
-from adaptive.plan.estimate.throughput import Throughput, cost_usd, estimate_throughput, train_hours
+from adaptive.plan.estimate.throughput import (Throughput, cost_usd, estimate_throughput, model_flops_per_token,
+                                               train_hours)
 from adaptive.record import record
 
 if TYPE_CHECKING:  # a plain `adaptive fit` does not import it
@@ -80,6 +83,11 @@ class FitRequest:
     zero_hpz: int | None = None  # zero_hpz_partition_size; 1 is off
     zero_quantized_weights: bool | None = None
     zero_quantized_gradients: bool | None = None
+    # what the run buys: the law that predicts its loss (None: the default published law), the dataset's unique
+    # tokens (None: unknown, taken as never repeated), and a pinned peak learning rate
+    loss_model: LossModel | None = None
+    unique_tokens: float | None = None
+    lr: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -137,6 +145,8 @@ class Plan:
     orchestrator: OrchestratorAdvice
     suggestions: tuple[str, ...] = field(default=())
     searched: int = 0
+    quality: Quality | None = None  # the predicted final loss (quality.predict)
+    hyperparams: Hyperparams | None = None  # DeepSeek LLM's compute-optimal batch and learning rate for this run
 
     @property
     def fits(self) -> bool:
@@ -598,7 +608,15 @@ def fit(req: FitRequest, suggest: bool = True) -> Plan:
     return Plan(request=req, counts=counts, best=best, closest=closest,
                 ladder=ladder(req, closest, global_tokens, host_mem), train_tokens=train_tokens,
                 global_batch_tokens=global_tokens, host_mem_bytes=host_mem, orchestrator=advice,
-                suggestions=suggestions, searched=len(evaluated))
+                suggestions=suggestions, searched=len(evaluated),
+                quality=predict(req.spec, counts, train_tokens, req.loss_model, req.unique_tokens, req.seq_len),
+                hyperparams=hyperparams_for(req.spec, train_tokens, req.seq_len))
+
+
+def hyperparams_for(spec: ModelSpec, train_tokens: float, seq_len: int) -> Hyperparams:
+    """DeepSeek LLM's B_opt and eta_opt at C = M D, M the FLOPs per token without the vocabulary projection."""
+    flops = model_flops_per_token(spec, seq_len) - 6.0 * spec.vocab_size * spec.hidden_size
+    return compute_optimal(flops, train_tokens)
 
 
 def what_would_fit(req: FitRequest, global_tokens: int,
