@@ -110,7 +110,8 @@ def moe_ratio(spec: ModelSpec, n_active: float, tokens: float, experts: float | 
 
 
 def _dense_loss(law: DenseLaw, counts: ParamCounts, tokens: float, unique: float | None) -> float:
-    n = repeated_data.effective_params(law, counted_params(counts, law.n_definition), unique)
+    repeated = unique if unique is not None and tokens > unique else None  # one epoch or less: the law as fitted
+    n = repeated_data.effective_params(law, counted_params(counts, law.n_definition), repeated)
     return law.loss(n, repeated_data.effective_tokens(tokens, unique))
 
 
