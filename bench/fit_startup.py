@@ -1,6 +1,6 @@
 """How long `adaptive fit` takes as a user runs it: fresh processes of an installed `adaptive`, best of N.
 
-    python bench/fit_startup.py [--repeats 10] [--instructions] ADAPTIVE [ADAPTIVE ...]
+    python bench/fit_startup.py [--repeats 10] [--instructions] [--budget] ADAPTIVE [ADAPTIVE ...]
 
 ADAPTIVE: the `adaptive` script of a venv (e.g. one per commit: `python3 -m venv V && V/bin/pip install .`).
 For b7 (does not fit, so it also searches what would) and b1 (fits) on one A100-40GB, tables and --json, it
@@ -20,6 +20,10 @@ import time
 
 CASES = (["--model", "b7", "--gpu", "a100-40gb"], ["--model", "b7", "--gpu", "a100-40gb", "--json"],
          ["--model", "b1", "--gpu", "a100-40gb"], ["--model", "b1", "--gpu", "a100-40gb", "--json"])
+# --budget: the budget search (every arch over the size ladder), the slowest on 4 nodes of H100s
+BUDGET_CASES = (["--budget-usd", "2000", "--gpu", "a100-80gb", "--gpus", "8"],
+                ["--budget-usd", "1e6", "--gpu", "h100-80gb", "--gpus", "8", "--nodes", "4"],
+                ["--budget-days", "7", "--gpu", "rtx4090-24gb", "--json"])
 
 
 def timed(cmd: list[str]) -> tuple[float, float]:
@@ -41,15 +45,16 @@ def main() -> None:
     parser.add_argument("adaptive", nargs="+")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--instructions", action="store_true")
+    parser.add_argument("--budget", action="store_true", help="also time the budget search")
     args = parser.parse_args()
     print("load average:", open("/proc/loadavg").read().split()[:3])
-    for case in CASES:
+    for case in CASES + (BUDGET_CASES if args.budget else ()):
         runs: dict[str, list[tuple[float, float]]] = {exe: [] for exe in args.adaptive}
         for _ in range(args.repeats):
             for exe in args.adaptive:
                 runs[exe].append(timed([exe, "fit", *case]))
         for exe, r in runs.items():
-            line = (f"{' '.join(case):38s} {exe}: wall best {min(w for w, _ in r) * 1000:4.0f} ms, median "
+            line = (f"{' '.join(case):58s} {exe}: wall best {min(w for w, _ in r) * 1000:4.0f} ms, median "
                     f"{statistics.median(w for w, _ in r) * 1000:4.0f} ms; CPU best {min(c for _, c in r) * 1000:4.0f} ms")
             if args.instructions:
                 line += f"; {instructions([exe, 'fit', *case]) / 1e6:,.0f}M instructions"

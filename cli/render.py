@@ -115,8 +115,7 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
         shown.append((renderable, kwargs))
 
     req, c = p.request, p.shown
-    s, t = c.setup, c.throughput
-    spec = req.spec
+    s, spec = c.setup, req.spec
     verdict = Text("FITS", style="bold green") if p.fits else Text("DOES NOT FIT", style="bold red")
     title = Text.assemble(f"{spec.name} {spec.arch} on {req.world_size} x {req.gpu.name}: ", verdict)
     out(title)
@@ -124,25 +123,7 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
                   f"{'bf16' if req.gpu.bf16 else 'fp16'}, {req.gpu.memory_gib:.1f} GiB per GPU; "
                   f"{p.searched} configurations searched")
 
-    knobs = Table(title="Plan" if p.fits else "Closest configuration", box=box.SIMPLE_HEAD, show_header=False)
-    knobs.add_column(style="bold")
-    knobs.add_column()
-    micro_label = "micro-batch per GPU" if s.dp_size == req.world_size else "micro-batch per replica"
-    offload = "optimizer + params" if s.offload_params else "optimizer" if s.offload_optimizer else "none"
-    for k, v in (("ZeRO stage", s.zero_stage), ("CPU offload", offload), (micro_label, s.micro_batch_size),
-                 ("gradient accumulation", c.grad_accum),
-                 ("global batch", f"{human(s.seq_len * s.micro_batch_size * c.grad_accum * s.dp_size)} tokens"),
-                 ("sequence length", s.seq_len), ("activation checkpointing", "on" if s.gradient_checkpointing else "off"),
-                 ("expert-parallel size", s.ep_size if spec.is_moe else "-")):
-        knobs.add_row(k, str(v))
-    # shown only where used, so data-parallel plans read as before
-    for k, v, used in (("tensor-parallel size (AutoTP)", s.tp_size, s.tp_size > 1),
-                       ("sequence-parallel size (Ulysses)", s.sp_size, s.sp_size > 1),
-                       ("data-parallel replicas", s.dp_size, s.tp_size * s.sp_size > 1),
-                       ("ZeRO++", zeropp(s), s.zero_hpz > 1 or s.zero_quantized_weights or s.zero_quantized_gradients)):
-        if used:
-            knobs.add_row(k, str(v))
-    out(knobs)
+    out(knobs_table(p))
 
     cap = req.gpu.memory_bytes
     mem = Table(title=f"Predicted memory per GPU: {gib(c.memory.peak_gpu_bytes)} of {gib(cap)}",
@@ -186,24 +167,7 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
         out(f"Host RAM for offload: {gib(c.memory.host_bytes_per_node)} per node "
                       f"({ok} the {gib(p.host_mem_bytes)} available; --host-mem)")
 
-    speed = Table(title="Speed, time and cost (estimated)", box=box.SIMPLE_HEAD, show_header=False)
-    speed.add_column(style="bold")
-    speed.add_column()
-    speed.add_row("tokens/s (all GPUs)", f"{t.tokens_per_second:,.0f}")
-    speed.add_row("MFU", f"{t.mfu:.1%} predicted (model FLOPs over peak)")
-    speed.add_row("hardware utilisation", f"{t.utilisation:.0%} of peak in compute kernels, "
-                  f"{'calibrated' if any('utilisation' in n for n in req.calibrated) else 'assumed; --mfu'}")
-    speed.add_row("step time", f"{t.step_seconds:.2f} s (compute {t.compute_seconds:.2f}, comm not hidden "
-                  f"{t.comm_seconds:.2f} of {t.comm_total_seconds:.2f}, "
-                  f"all-to-all {t.alltoall_seconds:.2f}, offload {t.offload_seconds:.2f}"
-                  + (f", TP all-reduce {t.tp_allreduce_seconds:.2f}" if s.tp_size > 1 else "")
-                  + (f", SP all-to-all {t.sp_alltoall_seconds:.2f}" if s.sp_size > 1 else "") + ")")
-    speed.add_row("training tokens", f"{human(p.train_tokens)}"
-                  + ("" if req.train_tokens else " (20 x active params)"))
-    speed.add_row("time", duration(p.hours))
-    speed.add_row("cost", f"${p.cost:,.2f} at ${req.gpu.price_per_hour:.2f}/GPU-hour "
-                  f"(${p.cost / p.train_tokens * 1e9:,.2f} per 1B tokens)")
-    out(speed)
+    out(speed_table(p))
     if p.quality is not None:
         out(quality_table(p))
 
@@ -253,13 +217,68 @@ def budget(result, files: dict[str, Path] | None = None) -> None:  # noqa: ANN00
                   f"{human(best.train_tokens)} tokens; {result.planned} models planned on the size ladder "
                   "(adaptive/plan/architecture/ladder.py). Losses within each other's bands are a tie the laws "
                   "cannot break.", soft_wrap=True)
-    plan(best, {k: v for k, v in (files or {}).items() if k != "model_config"} or None)
+    shown = [Text.assemble(f"{best.request.spec.name} {best.request.spec.arch} on {req.world_size} x {req.gpu.name}: ",
+                           Text("FITS", style="bold green"), f" (peak {gib(best.shown.memory.peak_gpu_bytes)} of "
+                           f"{gib(req.gpu.memory_bytes)}; `adaptive fit --model` on its config.json shows the memory "
+                           "part by part)"), knobs_table(best), speed_table(best), quality_table(best)]
+    for renderable in shown:
+        console.print(renderable)
     if files:
+        console.print("Wrote " + ", ".join(str(f) for f in files.values()), soft_wrap=True)
         h = best.hyperparams
         lr = f" --lr {best.request.lr or h.lr:.2g}" if h else ""
         console.print(f"Train it: accelerate launch --config_file {files['accelerate_config']} "
                       f"recipes/b1_{best.request.spec.arch}.py --model {files['model_config']} --tokens "
                       f"{best.train_tokens:.4g}{lr} --ds-config {files['ds_config']}", soft_wrap=True)
+
+
+def knobs_table(p: Plan) -> Table:
+    """The DeepSpeed knobs of the plan (or of the closest configuration)."""
+    req, c = p.request, p.shown
+    s, spec = c.setup, req.spec
+    knobs = Table(title="Plan" if p.fits else "Closest configuration", box=box.SIMPLE_HEAD, show_header=False)
+    knobs.add_column(style="bold")
+    knobs.add_column()
+    micro_label = "micro-batch per GPU" if s.dp_size == req.world_size else "micro-batch per replica"
+    offload = "optimizer + params" if s.offload_params else "optimizer" if s.offload_optimizer else "none"
+    for k, v in (("ZeRO stage", s.zero_stage), ("CPU offload", offload), (micro_label, s.micro_batch_size),
+                 ("gradient accumulation", c.grad_accum),
+                 ("global batch", f"{human(s.seq_len * s.micro_batch_size * c.grad_accum * s.dp_size)} tokens"),
+                 ("sequence length", s.seq_len), ("activation checkpointing", "on" if s.gradient_checkpointing else "off"),
+                 ("expert-parallel size", s.ep_size if spec.is_moe else "-")):
+        knobs.add_row(k, str(v))
+    # shown only where used, so data-parallel plans read as before
+    for k, v, used in (("tensor-parallel size (AutoTP)", s.tp_size, s.tp_size > 1),
+                       ("sequence-parallel size (Ulysses)", s.sp_size, s.sp_size > 1),
+                       ("data-parallel replicas", s.dp_size, s.tp_size * s.sp_size > 1),
+                       ("ZeRO++", zeropp(s), s.zero_hpz > 1 or s.zero_quantized_weights or s.zero_quantized_gradients)):
+        if used:
+            knobs.add_row(k, str(v))
+    return knobs
+
+
+def speed_table(p: Plan) -> Table:
+    """Tokens/s, MFU, step time, tokens, time and cost."""
+    req, c = p.request, p.shown
+    s, t = c.setup, c.throughput
+    speed = Table(title="Speed, time and cost (estimated)", box=box.SIMPLE_HEAD, show_header=False)
+    speed.add_column(style="bold")
+    speed.add_column()
+    speed.add_row("tokens/s (all GPUs)", f"{t.tokens_per_second:,.0f}")
+    speed.add_row("MFU", f"{t.mfu:.1%} predicted (model FLOPs over peak)")
+    speed.add_row("hardware utilisation", f"{t.utilisation:.0%} of peak in compute kernels, "
+                  f"{'calibrated' if any('utilisation' in n for n in req.calibrated) else 'assumed; --mfu'}")
+    speed.add_row("step time", f"{t.step_seconds:.2f} s (compute {t.compute_seconds:.2f}, comm not hidden "
+                  f"{t.comm_seconds:.2f} of {t.comm_total_seconds:.2f}, "
+                  f"all-to-all {t.alltoall_seconds:.2f}, offload {t.offload_seconds:.2f}"
+                  + (f", TP all-reduce {t.tp_allreduce_seconds:.2f}" if s.tp_size > 1 else "")
+                  + (f", SP all-to-all {t.sp_alltoall_seconds:.2f}" if s.sp_size > 1 else "") + ")")
+    speed.add_row("training tokens", f"{human(p.train_tokens)}"
+                  + ("" if req.train_tokens else " (20 x active params)"))
+    speed.add_row("time", duration(p.hours))
+    speed.add_row("cost", f"${p.cost:,.2f} at ${req.gpu.price_per_hour:.2f}/GPU-hour "
+                  f"(${p.cost / p.train_tokens * 1e9:,.2f} per 1B tokens)")
+    return speed
 
 
 def quality_table(p: Plan) -> Table:
@@ -278,11 +297,9 @@ def quality_table(p: Plan) -> Table:
         t.add_row("note", note)
     h = p.hyperparams
     if h is not None:
-        pinned = p.request.global_batch_tokens is not None
         t.add_row("compute-optimal batch, lr", f"{human(h.global_batch_tokens)} tokens, {h.lr:.2g} "
                   f"(DeepSeek LLM 2024{', extrapolated' if h.extrapolated else ''}); this plan: "
-                  f"{human(p.global_batch_tokens)} tokens{' (pinned)' if pinned else ''}"
-                  + (f", lr {p.request.lr:g} (pinned)" if p.request.lr else ""))
+                  f"{human(p.global_batch_tokens)} tokens" + (f", lr {p.request.lr:g} (--lr)" if p.request.lr else ""))
     t.add_row("source", q.source)
     return t
 

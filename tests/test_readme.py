@@ -69,13 +69,16 @@ def split_comment(line: str) -> tuple[list[str], int]:
     return shlex.split(command), int(exits.group(1)) if exits else 0
 
 
-def test_the_sample_output_is_what_the_command_prints():
-    (command, shown), = SAMPLE_BLOCK.findall(readme_text())
-    done = subprocess.run([sys.executable, "-m", "cli", *shlex.split(command)[1:]], capture_output=True, text=True,
-                          env=subprocess_env(), timeout=120, cwd=REPO_ROOT)
-    assert done.returncode == 1, done.stderr  # as the README says under the sample
-    printed = "\n".join(line.rstrip() for line in done.stdout.rstrip("\n").splitlines())
-    assert printed == shown, "README's sample is out of date: paste the command's output again"
+def test_the_sample_outputs_are_what_the_commands_print():
+    """The first sample does not fit (exit 1, as README says under it); the budget's answer exits 0."""
+    samples = SAMPLE_BLOCK.findall(readme_text())
+    assert [c.split()[1:3] for c, _ in samples] == [["fit", "--model"], ["fit", "--budget-usd"]]
+    for (command, shown), code in zip(samples, (1, 0)):
+        done = subprocess.run([sys.executable, "-m", "cli", *shlex.split(command)[1:]], capture_output=True,
+                              text=True, env=subprocess_env(), timeout=120, cwd=REPO_ROOT)
+        assert done.returncode == code, done.stderr
+        printed = "\n".join(line.rstrip() for line in done.stdout.rstrip("\n").splitlines())
+        assert printed == shown, f"README's sample of {command!r} is out of date: paste the command's output again"
 
 
 def test_every_adaptive_command_in_the_readme_exits_as_documented(tmp_path, monkeypatch, capsys):

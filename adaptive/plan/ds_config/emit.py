@@ -258,7 +258,7 @@ def hyperparams_dict(plan: Plan) -> dict | None:
         return None
     return {"offered_global_batch_tokens": h.global_batch_tokens, "offered_lr": h.lr, "compute_flops": h.flops,
             "extrapolated": h.extrapolated, "source": h.source, "global_batch_tokens": plan.global_batch_tokens,
-            "global_batch_tokens_pinned": plan.request.global_batch_tokens is not None, "lr": plan.request.lr}
+            "lr": plan.request.lr}
 
 
 def budget_dict(result) -> dict:  # noqa: ANN001 - a search.budget.BudgetResult
@@ -267,6 +267,8 @@ def budget_dict(result) -> dict:  # noqa: ANN001 - a search.budget.BudgetResult
     return {**plan_dict(result.best), "budget": {
         "usd": b.usd, "gpu_hours": b.gpu_hours, "days": b.days, "hours_bought": result.hours,
         "gpu_hours_bought": result.hours * result.best.request.world_size, "models_planned": result.planned,
+        "global_batch_from": "pinned (--global-batch-tokens)" if result.batch_pinned else
+        "B_opt of each run's compute (DeepSeek LLM 2024), in power-of-two sequences",
         "best_per_arch": [run_summary(p) for p in result.by_arch]}}
 
 

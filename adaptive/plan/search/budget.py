@@ -61,6 +61,7 @@ class BudgetResult:
     best: Plan  # the lowest predicted loss
     by_arch: tuple[Plan, ...]  # the best plan of each arch, lowest loss first (best among them)
     planned: int  # shapes planned
+    batch_pinned: bool = False  # the global batch was --global-batch-tokens, not B_opt
 
 
 def batch_for_flops(flops: float, seq_len: int, world_size: int) -> int:
@@ -179,4 +180,5 @@ def search_budget(req: FitRequest, budget: Budget, candidates: dict[str, list[Mo
                             f"buys no model{cap}: none of the ladder's shapes that fit trains {MIN_STEPS} steps in it; "
                             "raise the budget or use more GPUs")
     ranked = tuple(sorted(best_by_arch, key=lambda p: p.quality.predicted_loss))
-    return BudgetResult(budget=budget, hours=hours, best=ranked[0], by_arch=ranked, planned=planned)
+    return BudgetResult(budget=budget, hours=hours, best=ranked[0], by_arch=ranked, planned=planned,
+                        batch_pinned=pinned)
