@@ -53,16 +53,26 @@ class Recipe:
         return f"{self.model}_{self.arch}"
 
     def resolve(self, config: RunConfig) -> tuple[str, str]:
-        """(preset, arch) of a run: the flags', else the recipe's. With --init-from the checkpoint's config.json is
-        the shape; the preset still names the run folder and the default --lr."""
+        """(preset, arch) of a run: the flags', else the recipe's. The "preset" may be a config.json (a shape the
+        planner reads: `adaptive fit --budget-* --out DIR` writes one), trained from a fresh start. With
+        --init-from the checkpoint's config.json is the shape; the preset still names the run folder and the
+        default --lr."""
+        from adaptive.plan.architecture.hf_config import looks_like_path
+
         if config.model.init_from and config.model.name:
             raise AdaptiveError("give --model or --init-from, not both: --init-from takes the shape from its "
                                 "config.json")
         preset = config.model.name or self.model
+        arch = config.model.arch or self.arch
+        if looks_like_path(preset):
+            from adaptive.plan.request import resolve_model
+
+            resolve_model(preset, arch)  # a missing or malformed file is one line, before anything starts
+            return preset, arch
         if preset not in PRESETS:
-            raise AdaptiveError(f"--model {preset!r}: a recipe trains a preset ({', '.join(PRESETS)}); plan an HF "
-                                "config.json with `adaptive fit`")
-        return preset, config.model.arch or self.arch
+            raise AdaptiveError(f"--model {preset!r}: a recipe trains a preset ({', '.join(PRESETS)}) or the shape "
+                                "in a config.json")
+        return preset, arch
 
     def main(self, argv: list[str] | None = None, callbacks: list[Any] | None = None) -> int:
         """Parse `argv` (default sys.argv), then plan and train, or print the plan with --dry-run."""

@@ -19,7 +19,9 @@ from adaptive.train.reporting.trackers import resolve as resolve_trackers
 
 
 def run_dir(config: RunConfig, preset: str, arch: str) -> Path:
-    return Path(config.output.output_dir or f"runs/{preset}_{arch}")
+    """--output-dir, else runs/PRESET_ARCH (a config.json's shape: its folder's name)."""
+    name = Path(preset).expanduser().resolve().parent.name if preset.endswith(".json") else Path(preset).name
+    return Path(config.output.output_dir or f"runs/{name}_{arch}")
 
 
 def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | None = None,

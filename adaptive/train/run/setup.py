@@ -23,6 +23,7 @@ from accelerate.logging import get_logger
 from adaptive.config.run import DataOptions
 from adaptive.engine import moe_param_groups
 from adaptive.plan.architecture.blocks import block_type
+from adaptive.plan.architecture.presets import PRESETS
 from adaptive.train.run.callbacks import Knobs
 from adaptive.train.run.runplan import RunPlan
 from adaptive.train.run.sequence_parallel import ATTENTION as SP_ATTENTION, parallelism_config
@@ -167,8 +168,10 @@ def build_model(run: RunPlan, tokenizer: Any, seed: int) -> Any:
                     pad_token_id=tokenizer.pad_token_id)
     if run.init_from:
         config = target_config(run.init_from, run.plan.request.spec, **settings)
-    else:
+    elif run.preset in PRESETS:
         config = AdaptiveConfig.from_preset(run.preset, arch=run.arch, **settings)
+    else:  # a config.json's shape (--model PATH), as the planner read it
+        config = AdaptiveConfig.from_spec(run.plan.request.spec, **settings)
     # under ZeRO-3: deepspeed.zero.Init; under Ulysses, the attention its registration expects
     attention = {"attn_implementation": SP_ATTENTION} if knobs.sp_size > 1 else {}
     model = AdaptiveForCausalLM._from_config(config, dtype=torch.float32, **attention)
