@@ -217,6 +217,9 @@ def budget(result, files: dict[str, Path] | None = None) -> None:  # noqa: ANN00
                   f"{human(best.train_tokens)} tokens; {result.planned} models planned on the size ladder "
                   "(adaptive/plan/architecture/ladder.py). Losses within each other's bands are a tie the laws "
                   "cannot break.", soft_wrap=True)
+    if result.largest_tried:
+        console.print("[yellow]The winner is the largest model tried[/yellow] (the ladder's end, or --max-params): "
+                      "a larger one might buy a lower loss.", soft_wrap=True)
     shown = [Text.assemble(f"{best.request.spec.name} {best.request.spec.arch} on {req.world_size} x {req.gpu.name}: ",
                            Text("FITS", style="bold green"), f" (peak {gib(best.shown.memory.peak_gpu_bytes)} of "
                            f"{gib(req.gpu.memory_bytes)}; `adaptive fit --model` on its config.json shows the memory "

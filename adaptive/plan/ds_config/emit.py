@@ -269,6 +269,7 @@ def budget_dict(result) -> dict:  # noqa: ANN001 - a search.budget.BudgetResult
         "gpu_hours_bought": result.hours * result.best.request.world_size, "models_planned": result.planned,
         "global_batch_from": "pinned (--global-batch-tokens)" if result.batch_pinned else
         "B_opt of each run's compute (DeepSeek LLM 2024), in power-of-two sequences",
+        "winner_is_largest_tried": result.largest_tried,
         "best_per_arch": [run_summary(p) for p in result.by_arch]}}
 
 

@@ -62,6 +62,7 @@ class BudgetResult:
     by_arch: tuple[Plan, ...]  # the best plan of each arch, lowest loss first (best among them)
     planned: int  # shapes planned
     batch_pinned: bool = False  # the global batch was --global-batch-tokens, not B_opt
+    largest_tried: bool = False  # the winner is the largest model it could try: a larger one might do better
 
 
 def batch_for_flops(flops: float, seq_len: int, world_size: int) -> int:
@@ -149,12 +150,15 @@ def search_budget(req: FitRequest, budget: Budget, candidates: dict[str, list[Mo
     batch = req.global_batch_tokens if pinned else batch_for_flops(flops, req.seq_len, req.world_size)
     candidates = candidates if candidates is not None else ladder_specs(vocab_size=req.spec.vocab_size)
     best_by_arch: list[Plan] = []
+    largest: dict[str, ModelSpec] = {}
     planned = 0
     for specs in candidates.values():
         if max_params is not None:
             specs = [s for s in specs if count_params(s).total <= max_params]
         if not specs:
             continue
+        if len(specs) > 1:  # a search, not one given model
+            largest[specs[0].arch] = specs[-1]
         # from the rung nearest the compute-optimal size, walk up, then down, while the loss keeps improving
         first = min(range(len(specs)), key=lambda i: abs(math.log(count_params(specs[i]).active / start)))
         found: list[_Point] = []
@@ -180,5 +184,6 @@ def search_budget(req: FitRequest, budget: Budget, candidates: dict[str, list[Mo
                             f"buys no model{cap}: none of the ladder's shapes that fit trains {MIN_STEPS} steps in it; "
                             "raise the budget or use more GPUs")
     ranked = tuple(sorted(best_by_arch, key=lambda p: p.quality.predicted_loss))
-    return BudgetResult(budget=budget, hours=hours, best=ranked[0], by_arch=ranked, planned=planned,
-                        batch_pinned=pinned)
+    best = ranked[0]
+    return BudgetResult(budget=budget, hours=hours, best=best, by_arch=ranked, planned=planned, batch_pinned=pinned,
+                        largest_tried=best.request.spec == largest.get(best.request.spec.arch))

@@ -99,3 +99,10 @@ def test_the_loss_falls_as_the_budget_grows():
     sizes = [search_budget(req, Budget(usd=usd)).best.counts.active for usd in (100, 10000)]
     assert sizes[0] < sizes[1]  # a larger budget buys a larger model, not only more tokens
     assert count_params(search_budget(req, Budget(usd=10000)).best.request.spec).total > 0
+
+
+def test_a_winner_at_the_end_of_the_ladder_is_said():
+    req = make_request(model="b1", gpu="h100-80gb", gpus=8)
+    assert not search_budget(req, Budget(usd=2000)).largest_tried
+    capped = search_budget(req, Budget(usd=100000), max_params=1e9)
+    assert capped.largest_tried and capped.best.counts.total <= 1e9
