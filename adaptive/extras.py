@@ -28,6 +28,7 @@ NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
     "adaptive report": (("matplotlib",), MATPLOTLIB_INSTALL + " (or the training extras: " + TRAIN_INSTALL + ")"),
     "adaptive launch": (("accelerate", "torch"), TRAIN_INSTALL),
     "training": (TRAIN, TRAIN_INSTALL),
+    "adaptive scale": ((*TRAIN, "scipy", "matplotlib"), TRAIN_INSTALL),
     "finding the GPU (no --gpu given)": (("torch",), TRAIN_INSTALL + "; or pass --gpu NAME to plan without one"),
 }
 

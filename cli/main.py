@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str, dict]] = {
     "measure": ("cli.measure", "measure", {}),
     "report": ("cli.report", "report", {}),
     "export": ("cli.export", "export", {}),
+    "scale": ("cli.scale", "scale", {}),
     "launch": ("cli.launch", "launch", {"context_settings": {"allow_extra_args": True,
                                                              "ignore_unknown_options": True}}),
 }

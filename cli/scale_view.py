@@ -1,0 +1,105 @@
+"""How `adaptive scale` shows itself: a rich progress bar over the sweep's points and one per point in training,
+a line per finished point, then the results and the fitted laws as tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from adaptive.scaling import state
+from adaptive.scaling.sweep import Events, Scaled
+
+console = Console(stderr=False, highlight=False)
+
+
+class SweepView(Events):
+    def __init__(self, points: list[Any]) -> None:
+        self.points = points
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=console, transient=False)
+        self.overall: Any = None
+        self.tasks: dict[str, Any] = {}
+
+    def __enter__(self) -> SweepView:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.stop()
+
+    def begin(self, points: list[Any], done: int) -> None:
+        self.overall = self.progress.add_task("[bold]sweep points", total=len(points), completed=done)
+        if done:
+            self.progress.console.print(f"continuing the sweep: {done} of {len(points)} points done already")
+
+    def point_start(self, point: Any) -> None:
+        self.tasks[point.name] = self.progress.add_task(f"  {point.name}", total=point.steps)
+
+    def step(self, point: Any, step: int) -> None:
+        if point.name in self.tasks:
+            self.progress.update(self.tasks[point.name], completed=step)
+
+    def point_end(self, point: Any, outcome: Any) -> None:
+        task = self.tasks.pop(point.name, None)
+        if task is not None:
+            self.progress.remove_task(task)
+        self.progress.advance(self.overall)
+        if outcome.diverged:
+            self.progress.console.print(f"[yellow]warning:[/] {point.name} diverged ({outcome.diverged}); it is "
+                                        "left out of the fit")
+        else:
+            self.progress.console.print(f"{point.name}: N {point.params:,}, D {point.tokens:,} tokens, loss "
+                                        f"{outcome.eval_loss:.4f} ({outcome.seconds:.0f} s)")
+
+    def interrupted(self, out: Path) -> None:
+        sweep = state.load(out) or {"points": {}}
+        done = sum(1 for p in sweep["points"].values() if p["status"] != state.PENDING)
+        console.print(f"interrupted: {done} of {len(sweep['points'])} points recorded in {Path(out) / state.SWEEP_FILE}"
+                      "; rerun the same command to continue (a point in progress resumes from its checkpoint)")
+
+
+def _interval(values: list[float]) -> str:
+    from adaptive.scaling.fit_law import interval
+
+    lo, hi = interval(values)
+    return f"{lo:.3g}-{hi:.3g}"
+
+
+def _law_rows(arch: str, law: Any) -> list[list[str]]:
+    """The fit, then its 5-95% bootstrap interval under each coefficient; columns E, A, alpha, B, beta."""
+    f, boot = law.fit, law.bootstrap
+    order = (0, 1, 3, 2, 4)  # coefficients are (E, A, B, alpha, beta)
+    best = [f"{f.coefficients[i]:.4g}" for i in order]
+    spread = [_interval([b[i] for b in boot]) if boot else "" for i in order]
+    return [[arch, *best, f"{f.rmse_log:.4f}", str(f.points)], ["  5-95%", *spread, "", ""]]
+
+
+def show_result(done: Scaled) -> None:
+    points = sorted(done.sweep["points"].values(), key=lambda p: (p["arch"], p["budget"], p["params"]))
+    t = Table(title="isoFLOP sweep (final eval loss, nats/token)")
+    for column in ("arch", "budget FLOPs", "width", "N active", "tokens", "loss"):
+        t.add_column(column, justify="left" if column == "arch" else "right")
+    for p in points:
+        at = [q for q in points if q["arch"] == p["arch"] and q["budget"] == p["budget"] and q["status"] == state.DONE]
+        best = at and min(at, key=lambda q: q["eval_loss"]) is p
+        loss = (f"{p['eval_loss']:.4f}" + (" *" if best else "")) if p["status"] == state.DONE else \
+            f"[yellow]{p['status']}[/]"
+        t.add_row(p["arch"], f"{p['budget']:.3g}", str(p["width"]), f"{p['params']:,}", f"{p['tokens']:,}", loss)
+    console.print(t)
+    console.print("* the budget's best size")
+    laws = Table(title="L(N, D) = E + A / N^alpha + B / D^beta")
+    for column in ("arch", "E", "A", "alpha", "B", "beta", "rmse", "points"):
+        laws.add_column(column, justify="left" if column == "arch" else "right")
+    for arch, law in done.laws.items():
+        for row in _law_rows(arch, law):
+            laws.add_row(*row)
+    console.print(laws)
+    for p in state.results(done.sweep, state.DIVERGED):
+        console.print(f"[yellow]warning:[/] {p['name']} diverged ({p.get('reason')}); left out of the fit")
+    for line in done.skipped:
+        console.print(f"[yellow]warning:[/] no law for {line}")
+    console.print(f"wrote {done.law_path} (use it: adaptive fit --loss-law {done.law_path}) and {done.plot_path}")
