@@ -287,6 +287,7 @@ def run_launch(launch: Launch) -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     from adaptive.config.commandline import ERROR_FILE_ENV
+    from adaptive.engine import name_cpu_accelerator
 
     command = launch.this_node
     if MAIN_NODE_PLACEHOLDER in command:
@@ -296,6 +297,7 @@ def run_launch(launch: Launch) -> int:
     os.close(fd)
     previous = os.environ.get(ERROR_FILE_ENV)
     os.environ[ERROR_FILE_ENV] = error_file
+    named = name_cpu_accelerator()  # the launcher's DeepSpeed import and the recipe's: no accelerator warning
     try:
         with _LauncherLogsHeld() as held:
             try:
@@ -308,6 +310,8 @@ def run_launch(launch: Launch) -> int:
         return 0
     finally:
         Path(error_file).unlink(missing_ok=True)
+        if named:
+            os.environ.pop("DS_ACCELERATOR", None)
         if previous is None:
             os.environ.pop(ERROR_FILE_ENV, None)
         else:

@@ -40,8 +40,8 @@ from deepspeed.moe.layer import MoE
 from deepspeed.moe.sharded_moe import TopKGate
 from torch import nn
 
-from adaptive.engine import (expert_parallel_rank, gather_tokens_for_gloo, tensor_parallel_size,
-                             use_tensor_parallel_mesh)
+from adaptive.engine import (expert_group_line, expert_parallel_rank, gather_tokens_for_gloo, prints_held,
+                             tensor_parallel_size, use_tensor_parallel_mesh)
 from adaptive.errors import AdaptiveError
 from adaptive.models.moe import MoEStats, _init_gate_state, convert_on_load, gate_routes
 
@@ -102,7 +102,8 @@ class DeepSpeedMoE(MoE):
         # Idempotent: deepspeed.initialize calls this again after ensure_expert_parallel may have.
         if not self.expert_parallel_ready:
             gather_tokens_for_gloo()  # CPU runs: DeepSpeed's tensor-parallel token gather fails under gloo
-            super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
+            with prints_held(expert_group_line):  # DeepSpeed prints each group it creates: no news to the user
+                super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
 
     def forward(self, hidden_states: torch.Tensor, used: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
         if not self.expert_parallel_ready:
