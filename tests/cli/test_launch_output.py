@@ -1,6 +1,7 @@
 """What `adaptive launch` prints on a CPU machine: the plan, the command and the run's own log, without the
 launchers' and DeepSpeed's noise (accelerate's "values were not passed" block, DeepSpeed's accelerator guess,
-its "built successfully" for a comm op it only loaded, its expert-group creation)."""
+its "built successfully" for a comm op it only loaded, its expert-group creation, torch's deprecation of the
+gather DeepSpeed's ZeRO calls)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,18 @@ import pytest
 from tests.train._launch import REPO, launch_env
 
 NOISE = ("were not passed to `accelerate launch`", "Setting accelerator to CPU",
-         "No existing process group found, creating a new group")
+         "No existing process group found, creating a new group", "`torch.distributed.all_gather_into_tensor` is deprecated")
 
 
 @pytest.mark.slow  # a real two-step run under accelerate's launcher
-def test_adaptive_launch_on_a_cpu_prints_no_launcher_noise(tmp_path):
+@pytest.mark.parametrize("processes", ["1", "2"])  # 2: ZeRO-2 over gloo, DeepSpeed's gathers
+def test_adaptive_launch_on_a_cpu_prints_no_launcher_noise(tmp_path, processes):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("the CPU run's output; with CUDA the run plans for the GPU")
     done = subprocess.run([sys.executable, "-m", "cli", "launch", str(REPO / "recipes" / "debug_moe.py"), "--gpus",
-                           "1", "--max-steps", "2", "--seq-len", "64", "--no-progress", "--run-dir",
+                           processes, "--max-steps", "2", "--seq-len", "64", "--no-progress", "--run-dir",
                            str(tmp_path / "run")], cwd=REPO, env=launch_env(tmp_path / "home"), capture_output=True,
                           text=True, timeout=600)
     out = done.stdout + done.stderr

@@ -14,6 +14,7 @@ import copy
 import logging
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,9 @@ def init_distributed() -> Any:
 
     ensure_process_group_env()
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    # DeepSpeed's ZeRO gathers (deepspeed/comm/torch.py) call it, deprecated in torch 2.13: not the user's to fix
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
     if torch.cuda.is_available():
         return PartialState()
     op = shm_comm_op_to_build()
