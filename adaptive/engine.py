@@ -22,7 +22,11 @@ What the rest of the code asks of an engine:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 DEEPSPEED_VERSION_READ = "0.19.8"
@@ -106,6 +110,48 @@ def shm_comm_op_to_build() -> str | None:
     folder = _get_build_directory(builder.NAME, verbose=False)
     built = any(name.startswith(builder.NAME) and name.endswith(".so") for name in os.listdir(folder))
     return None if built else builder.absolute_name()
+
+
+def name_cpu_accelerator() -> bool:
+    """Without CUDA, tell DeepSpeed it runs on the CPU through its documented override (`DS_ACCELERATOR`), for this
+    process (if it has not imported DeepSpeed yet) and the processes it starts: DeepSpeed would pick the CPU
+    anyway, with a warning in every process that imports it. A value the user set is kept. True when this set it."""
+    if "DS_ACCELERATOR" in os.environ:
+        return False
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    return True
+
+
+@contextlib.contextmanager
+def prints_held(drop: Callable[[str], bool]) -> Iterator[None]:
+    """Hold what a DeepSpeed call print()s (it prints some lines instead of logging them) and pass on every line
+    but those `drop` picks, which go to the debug log."""
+    import logging
+
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(held):
+            yield
+    finally:
+        for line in held.getvalue().splitlines(keepends=True):
+            if drop(line):
+                logging.getLogger(__name__).debug("DeepSpeed printed: %s", line.rstrip())
+            else:
+                sys.stdout.write(line)
+
+
+def shm_comm_op_built_line(line: str) -> bool:
+    """The line `deepspeed.comm.torch.build_shm_op` prints whether it compiled the op or loaded a compiled one."""
+    return line.startswith("DeepSpeed ") and line.rstrip().endswith("_shm_comm_op built successfully")
+
+
+def expert_group_line(line: str) -> bool:
+    """The line `deepspeed.moe.layer.MoE._create_process_groups` prints when it creates a layer's groups."""
+    return line.startswith("No existing process group found, creating a new group named: ep_size_")
 
 
 # --- the engine ---------------------------------------------------------------------------------
@@ -275,7 +321,8 @@ def moe_timer_seconds(layers: list[Any]) -> tuple[float, float]:
 
 
 __all__ = ["A2A_TIMERS", "CHECKPOINT_CLASSES", "DEEPSPEED_VERSION_READ", "checkpoint_classes", "INTERNALS", "MOE_TIMER",
-           "discard_gradients", "expert_parallel_rank",
+           "discard_gradients", "expert_group_line", "expert_parallel_rank", "name_cpu_accelerator", "prints_held",
+           "shm_comm_op_built_line",
            "moe_layers_with_timers", "moe_param_groups", "moe_timer_seconds", "reported_grad_norm",
            "reports_grad_norm", "sequence_parallel_group", "set_batch_sizes", "start_moe_timers", "stop_moe_timers",
            "ulysses_data_adapter", "use_tensor_parallel_mesh", "tensor_parallel_size", "gather_tokens_for_gloo",

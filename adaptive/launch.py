@@ -58,6 +58,7 @@ class LaunchRequest:
     machine_rank: int = 0
     recipe_args: tuple[str, ...] = ()
     dry_run: bool = False  # a dry run writes into an existing run folder only with --overwrite
+    own_options: tuple[str, ...] = ()  # launch's own flags, for the nearest one when an option is unknown
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,11 @@ def plan_launch(req: LaunchRequest) -> Launch:
 
     recipe = Path(req.recipe)
     config = req.config
-    preset, arch = load_recipe(recipe).resolve(config)
+    declared = load_recipe(recipe)
+    preset, arch = declared.resolve(config)
+    # what the recipe will parse on every node: an option it does not take is refused here, before anything is
+    # written, not after the launch
+    declared.check_args([*to_argv(config, TRAIN), *req.recipe_args], "adaptive launch", req.own_options)
     orchestrator_settings(config)  # the recipe would refuse them after the launch; refuse them before
     if not req.dry_run:
         require("adaptive launch")  # before the run folder is written
@@ -282,6 +287,7 @@ def run_launch(launch: Launch) -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     from adaptive.config.commandline import ERROR_FILE_ENV
+    from adaptive.engine import name_cpu_accelerator
 
     command = launch.this_node
     if MAIN_NODE_PLACEHOLDER in command:
@@ -291,6 +297,7 @@ def run_launch(launch: Launch) -> int:
     os.close(fd)
     previous = os.environ.get(ERROR_FILE_ENV)
     os.environ[ERROR_FILE_ENV] = error_file
+    named = name_cpu_accelerator()  # the launcher's DeepSpeed import and the recipe's: no accelerator warning
     try:
         with _LauncherLogsHeld() as held:
             try:
@@ -303,6 +310,8 @@ def run_launch(launch: Launch) -> int:
         return 0
     finally:
         Path(error_file).unlink(missing_ok=True)
+        if named:
+            os.environ.pop("DS_ACCELERATOR", None)
         if previous is None:
             os.environ.pop(ERROR_FILE_ENV, None)
         else:

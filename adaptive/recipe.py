@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import json
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from adaptive.config.commandline import run_command, with_run_options
-from adaptive.config.run import TRAIN, RunConfig
+from adaptive.config.commandline import _ClickException, bare_values, run_command, with_run_options
+from adaptive.config.run import TRAIN, RunConfig, options_for
 from adaptive.errors import AdaptiveError
 from adaptive.plan.architecture.presets import ARCHS, PRESETS
 
@@ -76,19 +78,43 @@ class Recipe:
 
     def main(self, argv: list[str] | None = None, callbacks: list[Any] | None = None) -> int:
         """Parse `argv` (default sys.argv), then plan and train, or print the plan with --dry-run."""
-        app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
-        @app.command(help=f"Train the {self.model} preset as {self.arch} on DeepSpeed, sized by the planner. Launch "
-                          "with `accelerate launch` (or torchrun / deepspeed); plain python runs one process.")
-        @with_run_options(TRAIN)
-        def recipe_command(config: RunConfig, dry_run: DryRun = False) -> None:
+        def act(config: RunConfig, dry_run: bool) -> None:
             preset, arch = self.resolve(config)
             if dry_run:
                 sys.stdout.write(json.dumps(plan_only(config, preset, arch), indent=2) + "\n")
             else:
                 train(config, preset, arch, callbacks)
 
-        return run_command(app, argv, f"recipes/{self.name}.py")
+        return run_command(self._app(act), argv, f"recipes/{self.name}.py")
+
+    def check_args(self, argv: list[str], caller: str, also: Iterable[str] = ()) -> None:
+        """Parse `argv` as main() would, running nothing. An option the recipe does not take is an AdaptiveError
+        naming the nearest option of the recipe or of `caller`'s own (`also`); a bad value is click's error."""
+        try:
+            self._app(lambda config, dry_run: None)(args=bare_values(argv), prog_name=f"recipes/{self.name}.py",
+                                                    standalone_mode=False)
+        except _ClickException as err:
+            if type(err).__name__ != "NoSuchOption":
+                raise
+            option = err.option_name
+            known = {*(n for _, _, flag in options_for(TRAIN) for n in flag.names), "--dry-run", *also}
+            # compared without the dashes, which every name shares and which would make any two names look alike
+            words = {name.lstrip("-"): name for name in known if name.startswith("--")}
+            nearest = difflib.get_close_matches(option.lstrip("-"), sorted(words), n=1)
+            hint = f" (nearest: {words[nearest[0]]})" if nearest else f" ({caller} --help lists them)"
+            raise AdaptiveError(f"{option} is an option of neither {caller} nor recipes/{self.name}.py{hint}") from None
+
+    def _app(self, act: Callable[[RunConfig, bool], None]) -> typer.Typer:
+        app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+        @app.command(help=f"Train the {self.model} preset as {self.arch} on DeepSpeed, sized by the planner. Launch "
+                          "with `accelerate launch` (or torchrun / deepspeed); plain python runs one process.")
+        @with_run_options(TRAIN)
+        def recipe_command(config: RunConfig, dry_run: DryRun = False) -> None:
+            act(config, dry_run)
+
+        return app
 
 
 def orchestrator_settings(config: RunConfig) -> Any:
@@ -113,6 +139,9 @@ def train(config: RunConfig, preset: str, arch: str, callbacks: list[Any] | None
     from adaptive.orchestrator import policies
 
     require("training")  # before torch is imported: one line in a planner-only install
+    from adaptive.engine import name_cpu_accelerator
+
+    name_cpu_accelerator()  # before DeepSpeed is imported: no "Setting accelerator to CPU" warning on a CPU
     from adaptive.train.run.entry import run
 
     orchestrator = orchestrator_settings(config)  # bad settings fail before anything starts

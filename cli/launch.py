@@ -35,6 +35,7 @@ def launch(
         recipe=str(recipe), config=config, hostfile=str(hostfile) if hostfile else None,
         main_process_ip=main_process_ip, main_process_port=main_process_port, machine_rank=machine_rank,
         recipe_args=tuple(ctx.args), dry_run=dry_run,
+        own_options=tuple(name for param in ctx.command.params for name in param.opts if name.startswith("--")),
     )
     planned = plan_launch(request)
     if json_output:

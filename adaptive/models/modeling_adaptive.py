@@ -464,7 +464,8 @@ class AdaptivePreTrainedModel(PreTrainedModel):
         return [m.gate for m in self.modules() if isinstance(m, NativeMoE) or _is_deepspeed_moe(m)]
 
     def _expert_groups_ready(self) -> bool:
-        """Every DeepSpeed MoE block has its expert-parallel group (setup_expert_parallel or deepspeed.initialize)."""
+        """Every DeepSpeed MoE block has its expert-parallel group (setup_expert_parallel or deepspeed.initialize);
+        one process at ep_size 1 runs without (moe_deepspeed.groups_missing)."""
         if not self._expert_parallel_ready:
             blocks = [m for m in self.modules() if _is_deepspeed_moe(m)]
             self._expert_parallel_ready = all(b.expert_parallel_ready for b in blocks)
@@ -516,8 +517,8 @@ class AdaptivePreTrainedModel(PreTrainedModel):
         loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, info) with output_loading_info=True
         if model.config.moe_layers:
-            if model.config.moe_implementation == "deepspeed":
-                model.setup_expert_parallel()
+            if model.config.moe_implementation == "deepspeed" and torch.distributed.is_initialized():
+                model.setup_expert_parallel()  # one process without torch.distributed needs no groups (ep_size 1)
             _load_moe_weights(model, str(pretrained_model_name_or_path))
         return loaded
 
@@ -635,9 +636,12 @@ class AdaptiveModel(AdaptivePreTrainedModel):
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             use_cache = False  # the checkpointed layers drop the cache anyway
         if config.moe_implementation == "deepspeed" and config.moe_layers and not self._expert_groups_ready():
-            # forward() creates no process group: that is setup's job, before the model runs
-            raise AdaptiveError("DeepSpeed MoE needs its process groups before the first forward: call "
-                                "model.setup_expert_parallel() (from_pretrained and the recipes do)")
+            from adaptive.models.moe_deepspeed import groups_missing
+
+            # one process at ep_size 1 runs without groups; several need setup's collective first, on every rank
+            missing = groups_missing(config.ep_size)
+            if missing:
+                raise AdaptiveError(missing)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:

@@ -18,9 +18,14 @@ MLP (the config's tp_plan names their projections) and DeepSpeed builds the expe
 (data, tensor) mesh (`enable_expert_tensor_parallelism`); each TP rank sends 1/tp of every expert's slots through
 the all-to-all, and the slots are gathered back over the TP group before the sharded experts run.
 
-DeepSpeed MoE needs torch.distributed and its expert groups. `deepspeed.initialize` creates both;
-without it, `ensure_expert_parallel(model)` (model.setup_expert_parallel(), never forward) initialises a
-single-process group when nothing has, logs that, and creates the groups.
+Process groups. One process without torch.distributed, at ep_size 1, needs none: the layer uses its group
+only for the all-to-all (ep_size > 1) and the gate only for a capacity all-reduce over more than one rank, so
+`Model(config)`, `from_config` and `from_pretrained` forward as they are (`groups_missing`). Nothing is created
+there: DeepSpeed's groups need torch.distributed's default group, process-wide state that a later real
+`init_process_group` in the same process could not replace. Under torch.distributed, `deepspeed.initialize` or
+`ensure_expert_parallel(model)` (model.setup_expert_parallel()) creates them; a forward under several processes
+never does, because creating a group is a collective that every rank must join. The explicit call in a process
+without torch.distributed initialises a single-process group, logs that, and creates the groups.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ from deepspeed.moe.layer import MoE
 from deepspeed.moe.sharded_moe import TopKGate
 from torch import nn
 
-from adaptive.engine import (expert_parallel_rank, gather_tokens_for_gloo, tensor_parallel_size,
-                             use_tensor_parallel_mesh)
+from adaptive.engine import (expert_group_line, expert_parallel_rank, gather_tokens_for_gloo, prints_held,
+                             tensor_parallel_size, use_tensor_parallel_mesh)
 from adaptive.errors import AdaptiveError
 from adaptive.models.moe import MoEStats, _init_gate_state, convert_on_load, gate_routes
 
@@ -97,21 +102,42 @@ class DeepSpeedMoE(MoE):
         # Idempotent: deepspeed.initialize calls this again after ensure_expert_parallel may have.
         if not self.expert_parallel_ready:
             gather_tokens_for_gloo()  # CPU runs: DeepSpeed's tensor-parallel token gather fails under gloo
-            super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
+            with prints_held(expert_group_line):  # DeepSpeed prints each group it creates: no news to the user
+                super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
 
     def forward(self, hidden_states: torch.Tensor, used: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
         if not self.expert_parallel_ready:
-            ensure_distributed(hidden_states.device)
-            self.set_deepspeed_parallelism()
+            missing = groups_missing(self.ep_size)
+            if missing:
+                raise AdaptiveError(missing)
+            if dist.is_initialized():  # one rank (groups_missing refuses more): no other rank to wait for
+                ensure_distributed(hidden_states.device)
+                self.set_deepspeed_parallelism()
         output, _, _ = super().forward(hidden_states, None if used is None else used.reshape(-1))
         return output, self.gate.last_stats
 
 
+def groups_missing(ep_size: int) -> str | None:
+    """Why a DeepSpeed MoE forward cannot run before its expert groups exist, or None where it can: in one
+    process (with or without torch.distributed) at ep_size 1."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return ("DeepSpeed MoE under several processes needs its process groups before the first forward: call "
+                "model.setup_expert_parallel() on every rank (from_pretrained, deepspeed.initialize and the recipes do)")
+    if ep_size > 1:
+        return (f"ep_size ({ep_size}) needs {ep_size} processes and this is one: launch with torchrun "
+                f"--nproc_per_node {ep_size} or set ep_size=1")
+    return None
+
+
 def ensure_distributed(device: torch.device | None = None) -> None:
     """Initialise torch.distributed for DeepSpeed MoE if nothing has; never fails for one process."""
-    if dist.is_initialized():
-        return
     import deepspeed
+    import deepspeed.comm
+
+    if dist.is_initialized():
+        if not deepspeed.comm.is_initialized():  # initialised by torch alone: DeepSpeed's groups need its wrapper
+            deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+        return
 
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     backend = "gloo" if device is None or device.type == "cpu" else None
@@ -190,5 +216,5 @@ def globalize_expert_state_dict(model: nn.Module, state: dict | None = None) -> 
 
 __all__ = [
     "DeepSpeedGate", "DeepSpeedMoE", "ensure_distributed", "ensure_expert_parallel", "expert_parallel_rank",
-    "localize_expert_state_dict", "globalize_expert_state_dict",
+    "groups_missing", "localize_expert_state_dict", "globalize_expert_state_dict",
 ]

@@ -86,3 +86,29 @@ def test_a_dry_run_leaves_an_existing_run_folder_alone_unless_asked(tmp_path):
     forced = adaptive("launch", RECIPE, "--gpu", "h100", "--micro-batch", "1", "--dry-run", "--overwrite",
                       "--run-dir", str(run))
     assert forced.returncode == 0 and _snapshot(run) != before
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--scheduler", "slurm"],
+     "error: --scheduler is an option of neither adaptive launch nor recipes/b1_mod.py (adaptive launch --help lists "
+     "them)"),
+    (["--", "--max-step", "4"],
+     "error: --max-step is an option of neither adaptive launch nor recipes/b1_mod.py (nearest: --max-steps)"),
+    (["--hostfiel", "hosts"],
+     "error: --hostfiel is an option of neither adaptive launch nor recipes/b1_mod.py (nearest: --hostfile)"),
+    (["--", "--max-steps", "many"], "error: Invalid value for '--max-steps': 'many' is not a valid int."),
+])
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_an_option_the_recipe_does_not_take_is_refused_before_anything_is_written(tmp_path, extra, line, dry_run):
+    done = adaptive("launch", RECIPE, "--gpu", "a100", "--run-dir", str(tmp_path / "run"),
+                    *(["--dry-run"] if dry_run else []), *extra)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == line
+    assert done.stdout == "" and not (tmp_path / "run").exists(), "nothing was written or launched"
+
+
+def test_options_the_recipe_takes_pass_after_the_separator(tmp_path):
+    done = adaptive("launch", RECIPE, "--gpu", "a100", "--run-dir", str(tmp_path), "--dry-run", "--",
+                    "--dry-run", "--max-steps", "5", "--resume")
+    assert done.returncode == 0, done.stderr
+    assert "--dry-run --max-steps 5 --resume" in done.stdout  # as given, at the end of the recipe's command

@@ -29,7 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel, MixtralConfi
 from transformers import MixtralModel  # noqa: E402
 from transformers.models.auto import modeling_auto  # noqa: E402
 
-from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM, AdaptiveModel, AdaptivePreTrainedModel  # noqa: E402
+from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM, AdaptiveModel  # noqa: E402
 
 ids_tensor = common.ids_tensor
 
@@ -155,13 +155,6 @@ def make_test_class(name: str, arch: str, moe_implementation: str = "native", re
 
         def setUp(self):
             super().setUp()
-            if moe_implementation == "deepspeed":
-                # from_pretrained and the recipes create DeepSpeed's expert groups (setup_expert_parallel);
-                # transformers' tests build models directly, so the harness does it when a model first runs
-                patcher = mock.patch.object(AdaptivePreTrainedModel, "_expert_groups_ready",
-                                            lambda model: model.setup_expert_parallel() or True)
-                patcher.start()
-                self.addCleanup(patcher.stop)
             self.model_tester = tester(self, arch, moe_implementation)
             # a shape every config accepts (Llama's 32 default heads reject hidden 37; ours wants an even head_dim)
             self.config_tester = configuration.ConfigTester(self, config_class=config_class, hidden_size=40,

@@ -18,6 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from adaptive.errors import AdaptiveError
 from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
 from adaptive.models.moe import from_deepspeed_layout, to_deepspeed_layout
 from adaptive.models.moe_deepspeed import ensure_distributed, localize_expert_state_dict
@@ -32,9 +33,18 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main(out_dir: str) -> None:
+    # before the launcher's group exists: a one-process forward (ep_size 1) must leave nothing that stops it
+    early = AdaptiveForCausalLM(AdaptiveConfig.from_preset("debug", arch="moe", moe_implementation="deepspeed", **TINY))
+    early(torch.randint(0, 96, (1, 8)))
     ensure_distributed(torch.device("cpu"))
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 2, world
+    result: dict = {"rank": rank}
+    try:  # under several processes a forward creates no group (a collective): it says what to call
+        early(torch.randint(0, 96, (1, 8)))
+        result["refused"] = ""
+    except AdaptiveError as err:
+        result["refused"] = str(err)
     torch.manual_seed(0)
     ref = AdaptiveForCausalLM(AdaptiveConfig.from_preset("debug", arch="hybrid", **TINY))
     # in DeepSpeed's names (experts split per expert), the layout the EP model holds
@@ -42,7 +52,6 @@ def main(out_dir: str) -> None:
     ep = AdaptiveForCausalLM(AdaptiveConfig.from_preset("debug", arch="hybrid", moe_implementation="deepspeed",
                                                         ep_size=2, **TINY))
     ep.load_global_state_dict(full)
-    result: dict = {"rank": rank}
     local_experts = [n for n in ep.state_dict() if "deepspeed_experts" in n]
     result["local_expert_tensors"] = len(local_experts)
     expert0 = "model.layers.0.mlp.deepspeed_moe.experts.deepspeed_experts.0.up_proj.weight"

@@ -34,6 +34,7 @@ def test_ep_size_2_matches_ep_size_1(tmp_path):
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     for rank in (0, 1):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["refused"].startswith("DeepSpeed MoE under several processes needs its process groups"), r["refused"]
         assert r["local_expert_tensors"] == 2 * 2 * 3  # 2 MoE layers x 2 local experts x 3 projections
         assert r["expert0_matches_global"], "rank keeps global experts 2r, 2r+1 as local 0, 1"
         for mode in ("train", "eval"):

@@ -9,10 +9,12 @@ hidden-size "auto" values.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,18 +59,24 @@ def init_distributed() -> Any:
     """accelerate's PartialState on DeepSpeed's process group (nccl on GPUs, gloo on a CPU)."""
     from accelerate import PartialState
 
+    from adaptive.engine import prints_held, shm_comm_op_built_line, shm_comm_op_to_build
+
     ensure_process_group_env()
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    if not torch.cuda.is_available() and os.environ["RANK"] == "0":
-        from adaptive.engine import shm_comm_op_to_build
-
-        op = shm_comm_op_to_build()
-        if op:  # a silent minute or two otherwise; plain logging: accelerate's needs the state made below
-            logging.getLogger(__name__).warning(
-                "DeepSpeed compiles %s now, once per machine (about 100 s on 2 cores); later runs reuse it", op)
-    # Without CUDA, accelerate picks no backend for DeepSpeed and then counts one process per rank;
-    # naming gloo makes it read the world from the process group DeepSpeed initialises.
-    return PartialState(**({} if torch.cuda.is_available() else {"backend": "gloo"}))
+    # DeepSpeed's ZeRO gathers (deepspeed/comm/torch.py) call it, deprecated in torch 2.13: not the user's to fix
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
+    if torch.cuda.is_available():
+        return PartialState()
+    op = shm_comm_op_to_build()
+    if op and os.environ["RANK"] == "0":  # a silent minute or two otherwise; plain logging: accelerate's needs
+        logging.getLogger(__name__).warning(  # the state made below
+            "DeepSpeed compiles %s now, once per machine (about 100 s on 2 cores); later runs reuse it", op)
+    # DeepSpeed prints that it built the op when it only loaded the compiled one: news only when it was built
+    with contextlib.nullcontext() if op else prints_held(shm_comm_op_built_line):
+        # Without CUDA, accelerate picks no backend for DeepSpeed and then counts one process per rank;
+        # naming gloo makes it read the world from the process group DeepSpeed initialises.
+        return PartialState(backend="gloo")
 
 
 def make_accelerator(run: RunPlan, trackers: list[str] | None = None, output_dir: Path | None = None) -> Any:
