@@ -82,7 +82,7 @@ def recipe_flags(point: Point, settings: SweepSettings, run_dir: Path) -> list[s
     flags = ["--output-dir", str(run_dir), "--dataset", settings.dataset, "--seq-len", str(settings.seq_len),
              "--seed", str(settings.seed), "--lr", repr(settings.lr), "--max-steps", str(point.steps),
              "--micro-batch", str(settings.micro_batch), "--grad-accum", "1", "--orchestrator", "off",
-             "--no-progress", "--log-every", str(max(1, min(every, 25))), "--checkpoint-every", str(every),
+             "--no-progress", "--log-every", "25", "--checkpoint-every", str(every),
              "--keep-checkpoints", "1"]
     checkpoints = run_dir / "checkpoints"
     if checkpoints.is_dir() and any(checkpoints.iterdir()):

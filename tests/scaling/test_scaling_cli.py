@@ -39,3 +39,24 @@ def test_scale_help_and_its_checks_import_no_torch():
                           timeout=120)
     assert done.stdout.strip() == "ok", done.stderr
     assert "--budgets" in scale("--help").stdout
+
+
+@pytest.mark.slow
+def test_a_sweep_on_the_shipped_corpus_writes_a_law_the_planner_reads_and_a_plot(tmp_path):
+    from adaptive.plan.quality import law_file
+
+    out = tmp_path / "sweep"
+    done = scale("--out", str(out), "--budgets", "2e10,4e10", "--sizes", "3", "--seq-len", "64", "--jobs", "2",
+                 "--bootstrap", "20")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "isoFLOP sweep" in done.stdout and "wrote" in done.stdout
+    law = law_file.load(out / "law.json")
+    dense = law.laws["dense"]
+    assert dense.n_definition == "active" and len(law.bootstrap["dense"]) == 20
+    lo, hi = dense.params_range
+    assert lo < hi and dense.tokens_range[0] < dense.tokens_range[1]
+    assert (out / "isoflop.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = scale("--out", str(out), "--budgets", "2e10,4e10", "--sizes", "3", "--seq-len", "64", "--bootstrap", "20")
+    assert again.returncode == 0 and "6 of 6 points done already" in again.stdout  # nothing retrained
+    other = scale("--out", str(out), "--budgets", "2e10,8e10", "--sizes", "3", "--seq-len", "64")
+    assert other.returncode == 2 and "holds a sweep with other settings (budgets" in other.stderr
