@@ -66,14 +66,14 @@ def _interval(values: list[float]) -> str:
     from adaptive.scaling.fit_law import interval
 
     lo, hi = interval(values)
-    return f"{lo:.3g}-{hi:.3g}"
+    return f"{lo:.2g}-{hi:.2g}"
 
 
 def _law_rows(arch: str, law: Any) -> list[list[str]]:
     """The fit, then its 5-95% bootstrap interval under each coefficient; columns E, A, alpha, B, beta."""
     f, boot = law.fit, law.bootstrap
     order = (0, 1, 3, 2, 4)  # coefficients are (E, A, B, alpha, beta)
-    best = [f"{f.coefficients[i]:.4g}" for i in order]
+    best = [f"{f.coefficients[i]:.3g}" for i in order]
     spread = [_interval([b[i] for b in boot]) if boot else "" for i in order]
     return [[arch, *best, f"{f.rmse_log:.4f}", str(f.points)], ["  5-95%", *spread, "", ""]]
 
@@ -82,7 +82,7 @@ def show_result(done: Scaled) -> None:
     points = sorted(done.sweep["points"].values(), key=lambda p: (p["arch"], p["budget"], p["params"]))
     t = Table(title="isoFLOP sweep (final eval loss, nats/token)")
     for column in ("arch", "budget FLOPs", "width", "N active", "tokens", "loss"):
-        t.add_column(column, justify="left" if column == "arch" else "right")
+        t.add_column(column, justify="left" if column == "arch" else "right", overflow="fold")
     for p in points:
         at = [q for q in points if q["arch"] == p["arch"] and q["budget"] == p["budget"] and q["status"] == state.DONE]
         best = at and min(at, key=lambda q: q["eval_loss"]) is p
@@ -93,7 +93,7 @@ def show_result(done: Scaled) -> None:
     console.print("* the budget's best size")
     laws = Table(title="L(N, D) = E + A / N^alpha + B / D^beta")
     for column in ("arch", "E", "A", "alpha", "B", "beta", "rmse", "points"):
-        laws.add_column(column, justify="left" if column == "arch" else "right")
+        laws.add_column(column, justify="left" if column == "arch" else "right", overflow="fold")
     for arch, law in done.laws.items():
         for row in _law_rows(arch, law):
             laws.add_row(*row)

@@ -125,8 +125,9 @@ def law_json(name: str, settings: SweepSettings, laws: dict[str, ArchLaw]) -> di
 
     fitted_on = (f"{settings.dataset} (the built-in BPE tokenizer, vocab {settings.vocab_size}; sequence "
                  f"{settings.seq_len}); final eval loss in nats per token")
-    source = (f"adaptive scale: isoFLOP sweep, budgets {', '.join(f'{c:.3g}' for c in sorted(settings.budgets))} "
-              f"FLOPs, {settings.sizes} sizes each; Huber/L-BFGS fit as Hoffmann et al. 2022, approach 3")
+    budgets = sorted({p["budget"] for law in laws.values() for p in law.points})  # the ones fitted on
+    source = (f"adaptive scale: isoFLOP sweep, budgets {', '.join(f'{c:.3g}' for c in budgets)} FLOPs, "
+              f"{settings.sizes} sizes each; Huber/L-BFGS fit as Hoffmann et al. 2022, approach 3")
     entries = {}
     for arch, law in laws.items():
         f = law.fit
