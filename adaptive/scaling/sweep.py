@@ -71,7 +71,8 @@ def run_sweep(settings: SweepSettings, out: Path, events: Events | None = None, 
             cancel.set()
             raise
 
-    if jobs > 1 and todo:  # the first point alone: it fills the tokenizer's and the data's caches for the rest
+    if jobs > 1 and todo and len(todo) == len(points):  # a new sweep's first point alone: it fills the
+        # tokenizer's and the data's caches for the rest (a continued sweep has them)
         one(todo.pop(0))
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = [pool.submit(one, p) for p in todo]

@@ -1,5 +1,8 @@
 """A 2 x 2 isoFLOP sweep of tiny models through the recipes' path: each point its own run folder with metrics
-and a checkpoint; Ctrl-C after a point and a rerun finish the sweep without retraining what was done."""
+and a checkpoint; Ctrl-C after a point and a rerun finish the sweep without retraining what was done.
+
+The sweep takes ~30 s on 2 idle cores (5 recipe processes of ~8 s start-up each), so its tests are marked slow;
+the quick subset keeps the fit's tests (test_scaling_fit.py) and the resume and divergence rules below."""
 
 from __future__ import annotations
 
@@ -35,12 +38,14 @@ def interrupted_then_finished(tmp_path_factory):
     return out, after_interrupt, finished
 
 
+@pytest.mark.slow
 def test_an_interrupted_sweep_keeps_the_finished_point(interrupted_then_finished):
     _, after_interrupt, _ = interrupted_then_finished
     statuses = [p["status"] for p in after_interrupt["points"].values()]
     assert statuses == ["done", "pending", "pending", "pending"]
 
 
+@pytest.mark.slow
 def test_the_rerun_finishes_the_sweep_without_retraining_the_finished_point(interrupted_then_finished):
     out, after_interrupt, finished = interrupted_then_finished
     first = next(iter(after_interrupt["points"]))
@@ -51,6 +56,7 @@ def test_the_rerun_finishes_the_sweep_without_retraining_the_finished_point(inte
     assert json.loads((out / state.SWEEP_FILE).read_text()) == json.loads(json.dumps(finished))
 
 
+@pytest.mark.slow
 def test_each_point_is_a_recipe_run_with_its_metrics_checkpoint_and_export(interrupted_then_finished):
     out, _, finished = interrupted_then_finished
     for name, p in finished["points"].items():
