@@ -150,7 +150,7 @@ LAYERS = {
         "estimate": {"architecture", "hardware"},  # the estimates never import the search
         "quality": {"architecture", "estimate"},  # the loss a run buys: laws over the model and its FLOPs
         "search": {"architecture", "hardware", "estimate", "quality"},  # nor does the search import the configs
-        "ds_config": {"architecture", "hardware", "estimate", "search"},
+        "ds_config": {"architecture", "hardware", "estimate", "quality", "search"},
         "evidence": {"architecture", "hardware", "estimate", "search", "ds_config"},
         "": {"architecture", "hardware", "estimate", "quality", "search", "ds_config", "evidence"},
     },
