@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
+from adaptive.config.commandline import with_run_options
+from adaptive.config.run import SCALE, RunConfig
 from adaptive.errors import AdaptiveError
-
-
-def _help(name: str) -> str:
-    """A run option's help text, as the recipes print it (adaptive/config/run.py)."""
-    from adaptive.config.run import run_fields
-
-    return next(flag.help for _, f, flag in run_fields() if f.name == name)
-
-
-def _check_run_option(name: str, value: Any) -> None:
-    from adaptive.config.run import check, run_fields
-
-    check(next(flag for _, f, flag in run_fields() if f.name == name), value)
 
 
 def _budgets(text: str) -> tuple[float, ...]:
@@ -30,16 +19,20 @@ def _budgets(text: str) -> tuple[float, ...]:
         raise AdaptiveError(f"--budgets takes comma-separated FLOP counts such as 1e11,3e11,1e12, got {text!r}") from None
 
 
-def _dataset(value: str) -> str:
-    """builtin, or a local file or folder that exists (a hub name needs the hub, which a sweep's many runs should
+def _dataset(value: str | None) -> str:
+    """builtin (the default), or a local file or folder that exists (a hub name needs the hub, which a sweep's many runs should
     not lean on: give a local copy)."""
-    if value == "builtin" or Path(value).expanduser().exists():
+    if value is None or value == "builtin":
+        return "builtin"
+    if Path(value).expanduser().exists():
         return value
     raise AdaptiveError(f"--dataset {value!r}: no such file or folder; give builtin or a local .txt/.jsonl/.json/"
                         ".parquet file or folder")
 
 
+@with_run_options(SCALE)
 def scale(
+    config: RunConfig,
     out: Annotated[Path, typer.Option("--out", help="Sweep folder: sweep.json, points/ (one run folder each), "
                                                     "law.json, isoflop.png. Rerun into it to continue a sweep.")],
     arch: Annotated[str, typer.Option("--arch", help="Architectures, comma-separated: dense, moe, mod, hybrid; one "
@@ -49,31 +42,24 @@ def scale(
     = "1e11,2e11,4e11",
     sizes: Annotated[int, typer.Option("--sizes", help="Model sizes per budget (the ladder's tiny widths, around "
                                                        "~20 tokens per parameter).")] = 3,
-    dataset: Annotated[str, typer.Option("--dataset", help="'builtin' (the shipped corpus) or a local .txt/.jsonl/"
-                                                           ".json/.parquet file or folder, as a recipe's --dataset."
-                                         )] = "builtin",
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Sequence length of every point's run.")] = 128,
-    micro_batch: Annotated[int, typer.Option("--micro-batch", help="Sequences per optimizer step of every point's "
-                                                                   "run (one process, no accumulation).")] = 4,
-    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate of every point's run (cosine to 0 over "
-                                                   "its steps).")] = 3e-3,
-    seed: Annotated[int, typer.Option("--seed", help=_help("seed"))] = 0,
     jobs: Annotated[int, typer.Option("--jobs", help="Points trained side by side (give each a core).", min=1)] = 1,
     bootstrap: Annotated[int, typer.Option("--bootstrap", help="Bootstrap refits for the law's confidence band.",
                                            min=10)] = 100,
 ) -> int:
     """Fit scaling laws on your own data: train an isoFLOP sweep of small models (one recipe run per point,
     checkpointed; Ctrl-C and rerun continues it), fit L(N, D) = E + A/N^alpha + B/D^beta per architecture as
-    Chinchilla's approach 3 did, write law.json for `adaptive fit --loss-law` and draw the curves."""
+    Chinchilla's approach 3 did, write law.json for `adaptive fit --loss-law` and draw the curves. Every point's run
+    takes --dataset (default builtin), --seq-len (default 128), --micro-batch (default 4), --lr (default 3e-3) and
+    --seed as a recipe does."""
     from adaptive.extras import require
     from adaptive.scaling.grid import SweepSettings, plan_grid
     from adaptive.scaling.fit_law import MIN_POINTS
     from adaptive.scaling.sweep import BUILTIN_VOCAB
 
-    for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("lr", lr), ("seed", seed)):
-        _check_run_option(name, value)
+    d, opt = config.data, config.optimizer
+    seq_len, micro_batch, lr = d.seq_len or 128, config.parallelism.micro_batch or 4, opt.lr or 3e-3
     settings = SweepSettings(archs=tuple(a.strip() for a in arch.split(",") if a.strip()), budgets=_budgets(budgets),
-                             sizes=sizes, dataset=_dataset(dataset), seq_len=seq_len, seed=seed, lr=lr,
+                             sizes=sizes, dataset=_dataset(d.dataset), seq_len=seq_len, seed=opt.seed, lr=lr,
                              micro_batch=micro_batch, vocab_size=BUILTIN_VOCAB)
     points = plan_grid(settings)  # every bad value: one line, before anything is written
     if len(settings.budgets) * sizes < MIN_POINTS:

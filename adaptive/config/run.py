@@ -20,13 +20,14 @@ from typing import Any, Iterator
 from adaptive.errors import AdaptiveError, closest
 from adaptive.record import record
 
-FIT, LAUNCH, TRAIN, MEASURE, COMPARE = "fit", "launch", "train", "measure", "compare"  # the commands
+FIT, LAUNCH, TRAIN, MEASURE, COMPARE, SCALE = "fit", "launch", "train", "measure", "compare", "scale"  # the commands
 PLANNING = frozenset({FIT, LAUNCH, TRAIN})  # the planner's inputs: every command takes them
 FIT_ONLY = frozenset({FIT})  # what-if figures of the estimate (a run measures its own)
 SHAPE = PLANNING | {MEASURE}  # what `adaptive measure` builds and runs, too
 ESTIMATE = FIT_ONLY | {MEASURE}
 WORLD = PLANNING | {COMPARE}  # the world and the run's length, which `adaptive compare` also takes
 RUN = frozenset({LAUNCH, TRAIN})  # a training run's settings; launch hands them to the recipe
+SWEEP = RUN | {SCALE}  # what `adaptive scale` hands to every point's run
 
 
 @record
@@ -113,7 +114,7 @@ class DataOptions:
     """Sequence length and the training data."""
 
     seq_len: int | None = option(
-        None, "--seq-len", commands=SHAPE | {COMPARE}, minimum=1,
+        None, "--seq-len", commands=SHAPE | {COMPARE, SCALE}, minimum=1,
         help="Sequence length (default 2048; 128 for a run on a CPU). A run's data are blocks of it: keep it "
              "on --resume.")
     min_seq_len: int | None = option(
@@ -121,7 +122,7 @@ class DataOptions:
         help="Shortest sequence allowed: fit tries 3/4, 1/2, ... of --seq-len down to it; a run's OOM ladder "
              "may halve the sequence down to it (default: keep the sequence).")
     dataset: str | None = option(
-        None, "--dataset", commands=RUN,
+        None, "--dataset", commands=SWEEP,
         help="'c4', a hub dataset, a local .txt/.jsonl/.json/.parquet file or folder, or 'builtin' (the shipped "
              "corpus); default: C4 on a GPU with the hub reachable, else builtin.")
     dataset_config: str | None = option(None, "--dataset-config", commands=RUN,
@@ -183,7 +184,7 @@ class ParallelismOptions:
                               help="Pin the ZeRO stage (0-3).")
     offload: str | None = option(None, "--offload", commands=PLANNING, choices=("none", "optimizer", "all"),
                                  help="Pin CPU offload: none, optimizer (its states) or all (and the parameters).")
-    micro_batch: int | None = option(None, "--micro-batch", commands=SHAPE, minimum=1,
+    micro_batch: int | None = option(None, "--micro-batch", commands=SHAPE | {SCALE}, minimum=1,
                                      help="Pin the micro-batch per GPU.")
     grad_accum: int | None = option(None, "--grad-accum", commands=PLANNING, minimum=1,
                                     help="Pin gradient accumulation steps.")
@@ -230,14 +231,14 @@ class OptimizerOptions:
         None, "--optimizer", commands=FIT_ONLY,
         help="Optimizer implementation: auto (fused AdamW, as adaptive runs), adamw_torch (foreach), "
              "adamw_torch_fused, deepspeed_fused_adam, deepspeed_cpu_adam.")
-    lr: float | None = option(None, "--lr", commands=RUN | FIT_ONLY, above=0.0,
+    lr: float | None = option(None, "--lr", commands=SWEEP | FIT_ONLY, above=0.0,
                               help="Peak learning rate (default by preset: debug 3e-3, debug_200m 6e-4, b1 and "
                                    "larger 3e-4; a budget plan offers DeepSeek LLM's compute-optimal one).")
     warmup_steps: int | None = option(None, "--warmup-steps", commands=RUN, minimum=0,
                                       help="Linear warmup steps (default 5% of the run, at most 2000).")
     weight_decay: float = option(0.1, "--weight-decay", commands=RUN, minimum=0.0,
                                  help="AdamW weight decay on matrices.")
-    seed: int = option(0, "--seed", commands=RUN, minimum=0, help="Model init and data order.")
+    seed: int = option(0, "--seed", commands=SWEEP, minimum=0, help="Model init and data order.")
 
 
 @record
@@ -405,4 +406,4 @@ def to_argv(config: RunConfig, command: str = TRAIN) -> list[str]:
 
 
 __all__ = ["COMPARE", "ESTIMATE", "FIT", "FIT_ONLY", "Flag", "LAUNCH", "MEASURE", "PLANNING", "RUN", "RunConfig",
-           "SHAPE", "TRAIN", "WORLD", "check", "option", "options_for", "run_fields", "to_argv"]
+           "SCALE", "SHAPE", "SWEEP", "TRAIN", "WORLD", "check", "option", "options_for", "run_fields", "to_argv"]
