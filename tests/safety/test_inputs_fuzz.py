@@ -309,8 +309,12 @@ class TestInjection:
         assert "cannot go to the hosts' shell through pdsh" in err
 
     def test_hostile_recipe_arguments_never_reach_pdsh(self, capsys, tmp_path, marker):
-        err = self._launch(capsys, tmp_path, "--", "--seed", f"1;touch${{IFS}}{marker}")
+        # a string the recipe's parser takes: the pdsh guard refuses it
+        err = self._launch(capsys, tmp_path, "--", "--dataset", f"x;touch${{IFS}}{marker}")
         assert "cannot go to the hosts' shell through pdsh" in err
+        # a value the recipe's parser refuses never gets as far (adaptive launch checks the recipe's argv first)
+        err = self._launch(capsys, tmp_path, "--", "--seed", f"1;touch${{IFS}}{marker}")
+        assert "Invalid value for '--seed'" in err
 
     @pytest.mark.parametrize("hosts, needle", [
         ("node-a slots=abc\nnode-b slots=2\n", "is not `HOST slots=N`"),
