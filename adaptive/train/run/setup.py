@@ -71,7 +71,7 @@ def init_distributed() -> Any:
     op = shm_comm_op_to_build()
     if op and os.environ["RANK"] == "0":  # a silent minute or two otherwise; plain logging: accelerate's needs
         logging.getLogger(__name__).warning(  # the state made below
-            "DeepSpeed compiles %s now, once per machine (about 100 s on 2 cores); later runs reuse it", op)
+            "DeepSpeed compiles %s now, once per machine (about 35 s on 2 cores); later runs reuse it", op)
     # DeepSpeed prints that it built the op when it only loaded the compiled one: news only when it was built
     with contextlib.nullcontext() if op else prints_held(shm_comm_op_built_line):
         # Without CUDA, accelerate picks no backend for DeepSpeed and then counts one process per rank;
