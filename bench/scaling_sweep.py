@@ -28,6 +28,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from adaptive.scaling.fit_law import interval, law_loss
 from adaptive.scaling.grid import SweepSettings
 from adaptive.scaling.sweep import Events, fit_sweep, law_json, run_sweep
 from adaptive.scaling import state
@@ -103,18 +104,12 @@ def held_out(sweep: dict, laws: dict, top: float) -> list[dict]:
         measured = min(p["eval_loss"] for p in at)
         # each point trained whole steps: predict at the tokens it trained, as the law was fitted
         predicted = min(law.fit.loss(p["params"], p["tokens"]) for p in at)
-        band = sorted(min(_loss(c, p["params"], p["tokens"]) for p in at) for c in law.bootstrap)
-        lo, hi = band[int(0.05 * (len(band) - 1))], band[int(0.95 * (len(band) - 1))]
+        lo, hi = interval([min(law_loss(c, p["params"], p["tokens"]) for p in at) for c in law.bootstrap])
         rows.append({"arch": arch, "budget": top, "measured": measured, "predicted": predicted, "band": (lo, hi),
                      "error_pct": 100 * (predicted - measured) / measured,
                      "best_measured": min(at, key=lambda p: p["eval_loss"])["width"],
                      "best_predicted": min(at, key=lambda p: law.fit.loss(p["params"], p["tokens"]))["width"]})
     return rows
-
-
-def _loss(c, n: float, d: float) -> float:
-    e, a, b, alpha, beta = c
-    return e + a / n**alpha + b / d**beta
 
 
 def main() -> int:

@@ -35,23 +35,32 @@ def fit(
         raise AdaptiveError("--max-params bounds a budget search: give --budget-usd, --budget-gpu-hours or "
                             "--budget-days with it")
     plan = plan_fit(request_from_config(config, calibrate=calibrate))
-    files = None
-    if out:
-        from adaptive.plan.ds_config.emit import write_plan_files  # the writers and json only where asked for
-
-        files = write_plan_files(plan, out)
-    if json_output:
-        import json
-
-        from adaptive.plan.ds_config.emit import plan_dict
-
-        print(json.dumps(plan_dict(plan), indent=2))
-    else:
-        from cli import render  # rich is imported only for tables; --json does not need it
-
-        render.plan(plan, files)
+    show("plan", plan, out, json_output)
     if not plan.fits:
         raise typer.Exit(1)
+
+
+# what fit shows, by kind: (emit's files writer, emit's JSON, render's tables)
+SHOWN = {"plan": ("write_plan_files", "plan_dict", "plan"), "budget": ("write_budget_files", "budget_dict", "budget")}
+
+
+def show(kind: str, result: object, out: Path | None, json_output: bool) -> None:
+    """Write `result`'s files into `out`, then print it as JSON or as tables. emit (and json) is imported only
+    where files or JSON are asked for, rich only for tables: a plain `fit` needs neither json nor the writers."""
+    writer, as_dict, table = SHOWN[kind]
+    files = None
+    if out or json_output:
+        from adaptive.plan.ds_config import emit
+
+        files = getattr(emit, writer)(result, out) if out else None
+        if json_output:
+            import json
+
+            print(json.dumps(getattr(emit, as_dict)(result), indent=2))
+            return
+    from cli import render
+
+    getattr(render, table)(result, files)
 
 
 def fit_budget(config: RunConfig, calibrate: str | None, out: Path | None, json_output: bool) -> None:
@@ -70,19 +79,4 @@ def fit_budget(config: RunConfig, calibrate: str | None, out: Path | None, json_
         candidates = {a: [resolve_model(m.name, a, m.mod_capacity if a in ("mod", "hybrid") else None)] for a in archs}
     else:
         candidates = ladder_specs((m.arch,) if m.arch else ARCHS, req.spec.vocab_size)
-    result = search_budget(req, budget, candidates, q.max_params)
-    files = None
-    if out:
-        from adaptive.plan.ds_config.emit import write_budget_files
-
-        files = write_budget_files(result, out)
-    if json_output:
-        import json
-
-        from adaptive.plan.ds_config.emit import budget_dict
-
-        print(json.dumps(budget_dict(result), indent=2))
-    else:
-        from cli import render
-
-        render.budget(result, files)
+    show("budget", search_budget(req, budget, candidates, q.max_params), out, json_output)

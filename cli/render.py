@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich import box
 from rich.console import Console
@@ -12,6 +13,9 @@ from rich.table import Table
 from rich.text import Text
 
 from adaptive.plan.search.planner import Plan
+
+if TYPE_CHECKING:
+    from adaptive.plan.search.budget import BudgetResult
 
 GiB = 2**30
 # Wide enough for the comparison table when piped; a terminal keeps its own width.
@@ -197,7 +201,7 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
     _print_all(shown)
 
 
-def budget(result, files: dict[str, Path] | None = None) -> None:  # noqa: ANN001 - a search.budget.BudgetResult
+def budget(result: BudgetResult, files: dict[str, Path] | None = None) -> None:
     """The best plan of each arch that the budget buys, then the winner's plan in full."""
     best = result.best
     req = best.request

@@ -51,7 +51,13 @@ class Fit:
         return (self.E, self.A, self.B, self.alpha, self.beta)
 
     def loss(self, n: float, d: float) -> float:
-        return self.E + self.A / n**self.alpha + self.B / d**self.beta
+        return law_loss(self.coefficients, n, d)
+
+
+def law_loss(coefficients: tuple[float, ...], n: float, d: float) -> float:
+    """E + A / N^alpha + B / D^beta for (E, A, B, alpha, beta) (a bootstrap refit's), N and D scalars or arrays."""
+    e, a, b, alpha, beta = coefficients
+    return e + a / n**alpha + b / d**beta
 
 
 def _objective(theta: np.ndarray, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray) -> tuple[float, np.ndarray]:
@@ -138,4 +144,4 @@ def interval(values: list[float], low: float = 0.05, high: float = 0.95) -> tupl
     return float(np.quantile(values, low)), float(np.quantile(values, high))
 
 
-__all__ = ["Fit", "HUBER_DELTA", "N_DEFINITION", "bootstrap", "fit_law", "interval"]
+__all__ = ["Fit", "HUBER_DELTA", "N_DEFINITION", "bootstrap", "fit_law", "interval", "law_loss"]

@@ -47,7 +47,7 @@ def optimum(fit: Fit, budget: float, cands: Sequence[Candidate], grid: int = 400
     """The loss-minimising size at `budget` within the ladder's range of sizes."""
     params = np.exp(np.linspace(math.log(cands[0].params), math.log(cands[-1].params), grid))
     tokens = budget / flops_per_token_at(params, cands)
-    losses = fit.E + fit.A / params**fit.alpha + fit.B / tokens**fit.beta
+    losses = fit.loss(params, tokens)
     i = int(np.argmin(losses))
     return Optimum(budget, float(params[i]), float(tokens[i]), float(losses[i]))
 
@@ -55,7 +55,7 @@ def optimum(fit: Fit, budget: float, cands: Sequence[Candidate], grid: int = 400
 def curve(fit: Fit, budget: float, params: np.ndarray, cands: Sequence[Candidate]) -> np.ndarray:
     """The law's isoFLOP curve: loss against `params` at `budget`."""
     tokens = budget / flops_per_token_at(params, cands)
-    return fit.E + fit.A / params**fit.alpha + fit.B / tokens**fit.beta
+    return fit.loss(params, tokens)
 
 
 __all__ = ["Optimum", "best_of", "curve", "flops_per_token_at", "loss_at", "optimum"]

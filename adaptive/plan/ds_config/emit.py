@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from adaptive.durable import atomic_write_text
 from adaptive.errors import AdaptiveError
@@ -16,8 +17,12 @@ from adaptive.plan.search.advice import OVERHEAD_SOURCE
 from adaptive.plan.hardware.gpus import GPU
 from adaptive.plan.estimate.memory import TrainSetup, reduce_bucket_elements
 from adaptive.plan.architecture.params import count_params
+from adaptive.plan.quality.predict import quality_dict
 from adaptive.plan.search.planner import Candidate, Plan
 from adaptive.plan.search.tight import TIGHT_MARGIN
+
+if TYPE_CHECKING:  # a budget's files and JSON; a plain plan's do not import the search for it
+    from adaptive.plan.search.budget import BudgetResult
 
 GRADIENT_CLIPPING = 1.0
 JSON_SCHEMA_VERSION = 1
@@ -196,12 +201,6 @@ def candidate_dict(c: Candidate) -> dict:
     }
 
 
-def quality_dict(q):  # noqa: ANN001, ANN201 - quality.predict's, imported where a JSON is asked for
-    from adaptive.plan.quality.predict import quality_dict as as_dict
-
-    return as_dict(q)
-
-
 def plan_dict(plan: Plan) -> dict:
     """The stable `--json` schema (README documents it)."""
     req = plan.request
@@ -261,7 +260,7 @@ def hyperparams_dict(plan: Plan) -> dict | None:
             "lr": plan.request.lr}
 
 
-def budget_dict(result) -> dict:  # noqa: ANN001 - a search.budget.BudgetResult
+def budget_dict(result: BudgetResult) -> dict:
     """fit --budget-*'s JSON: the winner's plan, and the budget with the best plan of each arch."""
     b = result.budget
     return {**plan_dict(result.best), "budget": {
@@ -284,7 +283,7 @@ def run_summary(p: Plan) -> dict:
             "loss_band": list(p.quality.band), "lr": p.hyperparams.lr if p.hyperparams else None}
 
 
-def write_budget_files(result, out_dir: str | Path) -> dict[str, Path]:  # noqa: ANN001 - a BudgetResult
+def write_budget_files(result: BudgetResult, out_dir: str | Path) -> dict[str, Path]:
     """The winner's files (write_plan_files), its model as config.json (`--model OUT` trains that shape), and
     plan.json with the budget's section."""
     from adaptive.plan.architecture.hf_config import adaptive_config_dict

@@ -44,9 +44,6 @@ class DenseLaw:
         n = g * (flops / 6.0) ** a
         return n, flops / (6.0 * n)
 
-    def in_range(self, n: float, d: float) -> bool:
-        return self.params_range[0] <= n <= self.params_range[1] and self.tokens_range[0] <= d <= self.tokens_range[1]
-
 
 MASSIVETEXT = "MassiveText (DeepMind), SentencePiece 32k tokenizer; loss in nats per token"
 

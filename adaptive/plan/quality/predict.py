@@ -132,8 +132,9 @@ def _range_notes(law: DenseLaw, n: float, d: float) -> list[str]:
     return notes
 
 
-def _widen(center: float, lo: float, hi: float, extrapolated: bool) -> tuple[float, float]:
-    lo, hi = min(lo, center) * (1 - RESIDUAL), max(hi, center) * (1 + RESIDUAL)
+def _band(center: float, lo: float, hi: float, extrapolated: bool, residual: float = RESIDUAL) -> tuple[float, float]:
+    """[lo, hi] around `center`, widened by the fit's `residual`, its half-widths doubled outside the fitted range."""
+    lo, hi = min(lo, center) * (1 - residual), max(hi, center) * (1 + residual)
     if extrapolated:
         lo, hi = center - EXTRAPOLATION_WIDENING * (center - lo), center + EXTRAPOLATION_WIDENING * (hi - center)
     return lo, hi
@@ -169,6 +170,10 @@ def predict(spec: ModelSpec, counts: ParamCounts, tokens: float, model: LossMode
         kind = "published laws (dense + MoE)"
         notes.append(f"MoE: top-{spec.num_experts_per_tok} of {spec.num_local_experts} experts counted as "
                      f"{spec.num_local_experts / spec.num_experts_per_tok:g} top-1 experts (the MoE law's routing)")
+        lo, hi = JOINT_MOE.experts_range
+        if not lo <= spec.num_local_experts / spec.num_experts_per_tok <= hi:
+            notes.append(f"extrapolated: the MoE law was fitted on {lo:g}-{hi:g} experts, this model counts as "
+                         f"{spec.num_local_experts / spec.num_experts_per_tok:g}")
         if not JOINT_MOE.params_range[0] <= counts.active <= JOINT_MOE.params_range[1]:
             notes.append(f"extrapolated: the MoE law was fitted on {JOINT_MOE.params_range[0]:.2g}-"
                          f"{JOINT_MOE.params_range[1]:.2g} active parameters, this model has {counts.active:.3g}")
@@ -183,7 +188,7 @@ def predict(spec: ModelSpec, counts: ParamCounts, tokens: float, model: LossMode
     n_definition = N_ACTIVE if counts.expert and base.n_definition == N_TOTAL else base.n_definition
     notes += _range_notes(base, n, tokens)
     extrapolated = any(note.startswith("extrapolated") for note in notes)
-    return Quality(predicted_loss=center, band=_widen(center, min(edges), max(edges), extrapolated),
+    return Quality(predicted_loss=center, band=_band(center, min(edges), max(edges), extrapolated),
                    law=" + ".join(laws), source="; ".join(sources), kind=kind, fitted_on=base.fitted_on, params=n,
                    n_definition=n_definition, tokens=tokens,
                    effective_tokens=repeated_data.effective_tokens(tokens * fraction, unique_tokens),
@@ -203,10 +208,8 @@ def _predict_fitted(fitted: FittedLaws, spec: ModelSpec, counts: ParamCounts, to
     n = counted_params(counts, law.n_definition)
     notes += _range_notes(law, n, tokens)
     extrapolated = any(note.startswith("extrapolated") for note in notes)
-    lo, hi = min(lo, center), max(hi, center)
-    if extrapolated:
-        lo, hi = center - EXTRAPOLATION_WIDENING * (center - lo), center + EXTRAPOLATION_WIDENING * (hi - center)
-    return Quality(predicted_loss=center, band=(lo, hi), law=law.name, source=fitted.source,
+    return Quality(predicted_loss=center, band=_band(center, lo, hi, extrapolated, residual=0.0), law=law.name,
+                   source=fitted.source,
                    kind="fitted on your data", fitted_on=fitted.fitted_on, params=n, n_definition=law.n_definition,
                    tokens=tokens, effective_tokens=repeated_data.effective_tokens(tokens, unique), unique_tokens=unique,
                    notes=tuple(notes))

@@ -18,7 +18,7 @@ from adaptive.plan.architecture.params import count_params
 from adaptive.plan.architecture.presets import ARCHS, ModelSpec, spec_from_shape
 from adaptive.plan.quality.hyperparams import optimal_batch_tokens
 from adaptive.plan.quality.predict import predict, resolve_law
-from adaptive.plan.search.planner import FitRequest, Plan, fit, host_mem_for, model_flops_per_token
+from adaptive.plan.search.planner import FitRequest, Plan, fit, host_mem_for, hyperparams_for
 from adaptive.record import record
 
 MIN_STEPS = 100  # a run shorter than this many optimizer steps is not a training run
@@ -71,10 +71,9 @@ def batch_for_flops(flops: float, seq_len: int, world_size: int) -> int:
     return seq_len * max(sequences, world_size)
 
 
-def global_batch_for(spec, tokens: float, seq_len: int, world_size: int) -> int:
-    """B_opt at this run's own compute C = M D (M: FLOPs per token without the vocabulary projection)."""
-    flops = (model_flops_per_token(spec, seq_len) - 6.0 * spec.vocab_size * spec.hidden_size) * tokens
-    return batch_for_flops(flops, seq_len, world_size)
+def global_batch_for(spec: ModelSpec, tokens: float, seq_len: int, world_size: int) -> int:
+    """B_opt at this run's own compute (the planner's hyperparams_for: C = M D), rounded as batch_for_flops."""
+    return batch_for_flops(hyperparams_for(spec, tokens, seq_len).flops, seq_len, world_size)
 
 
 @record

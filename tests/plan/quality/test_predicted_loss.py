@@ -145,3 +145,15 @@ def test_an_unknown_law_name_suggests_the_nearest():
         resolve_law("chinchila")
     with pytest.raises(AdaptiveError, match="no such file"):
         resolve_law("/nonexistent/law.json")
+
+
+def test_more_experts_than_the_moe_law_saw_is_said_and_widens_the_band():
+    from dataclasses import replace
+
+    spec = preset_spec("b1", "moe")
+    wide = replace(spec, num_local_experts=128, num_experts_per_tok=2)  # 64 top-1 experts' worth; fitted on 1-32
+    inside, outside = predict(spec, count_params(spec), 20e9), predict(wide, count_params(wide), 20e9)
+    assert not any("experts" in n and n.startswith("extrapolated") for n in inside.notes)
+    assert any("fitted on 1-32 experts" in n for n in outside.notes)
+    width = lambda q: (q.band[1] - q.band[0]) / q.predicted_loss  # noqa: E731
+    assert width(outside) > width(inside)

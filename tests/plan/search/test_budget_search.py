@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 
 from adaptive.errors import AdaptiveError
-from adaptive.plan import count_params, fit, make_request
+from adaptive.plan import fit, make_request
 from adaptive.plan.quality.hyperparams import optimal_batch_tokens
 from adaptive.plan.quality.predict import predict
-from adaptive.plan.search.budget import (MIN_STEPS, Budget, batch_for_flops, global_batch_for, ladder_specs,
-                                         search_budget)
+from adaptive.plan.search.budget import (MIN_STEPS, Budget, batch_for_flops, budget_flops, global_batch_for,
+                                         ladder_specs, search_budget)
 
 
 def _brute_force(req, budget: Budget):
@@ -22,9 +22,8 @@ def _brute_force(req, budget: Budget):
     for specs in ladder_specs(vocab_size=32000).values():
         for spec in specs:
             plan = fit(replace(req, spec=spec, train_tokens=None,
-                               global_batch_tokens=batch_for_flops(
-                                   hours * 3600 * req.world_size * req.gpu.peak_tflops * 1e12 * 0.4, req.seq_len,
-                                   req.world_size)), suggest=False)
+                               global_batch_tokens=batch_for_flops(budget_flops(req, hours), req.seq_len,
+                                                                   req.world_size)), suggest=False)
             if not plan.fits:
                 continue
             tokens = plan.shown.throughput.tokens_per_second * hours * 3600
@@ -98,7 +97,6 @@ def test_the_loss_falls_as_the_budget_grows():
     assert losses == sorted(losses, reverse=True)
     sizes = [search_budget(req, Budget(usd=usd)).best.counts.active for usd in (100, 10000)]
     assert sizes[0] < sizes[1]  # a larger budget buys a larger model, not only more tokens
-    assert count_params(search_budget(req, Budget(usd=10000)).best.request.spec).total > 0
 
 
 def test_a_winner_at_the_end_of_the_ladder_is_said():
