@@ -296,11 +296,29 @@ class OutputOptions:
              "options; tensorboard and wandb write under OUTPUT_DIR/trackers/.")
 
 
+@record
+class FaultOptions:
+    """What a dead or hung process costs: the collective timeout and the launcher's restarts."""
+
+    collective_timeout: float = option(
+        600.0, "--collective-timeout", commands=RUN, above=0.0, maximum=86400.0,
+        help="Seconds a process waits in one collective (all-reduce, barrier) for the other ranks before it stops, "
+             "naming the rank it waited for; given to the process group DeepSpeed and accelerate create. Default 600 "
+             "(DeepSpeed's own; torch's is 30 minutes): above the longest honest wait, the barrier while the main "
+             "process digests a large checkpoint.")
+    max_restarts: int = option(
+        0, "--max-restarts", commands=frozenset({LAUNCH}), minimum=0,
+        help="Restart every process up to N times when one fails (torchrun's elastic agent: accelerate launch "
+             "--max_restarts); a restarted run resumes from its newest verified checkpoint. DeepSpeed's pdsh "
+             "launcher (--hostfile) restarts nothing.")
+
+
 PANELS = {  # section -> its --help panel
     "model": "Model", "hardware": "Hardware", "data": "Data and sequence", "schedule": "Length",
     "quality": "Quality and budget",
     "parallelism": "Knobs (pin what the planner would choose)", "checkpointing": "Knobs (pin what the planner would choose)",
     "optimizer": "Optimization", "orchestrator": "Orchestrator", "output": "Output, checkpoints, logs",
+    "faults": "Faults and restarts",
 }
 
 
@@ -318,6 +336,7 @@ class RunConfig:
     optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
     orchestrator: OrchestratorOptions = field(default_factory=OrchestratorOptions)
     output: OutputOptions = field(default_factory=OutputOptions)
+    faults: FaultOptions = field(default_factory=FaultOptions)
 
     @classmethod
     def from_options(cls, values: dict[str, Any]) -> RunConfig:

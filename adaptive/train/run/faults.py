@@ -1,0 +1,288 @@
+"""When one rank of a run fails, every rank stops, and one line says which rank and why.
+
+Three ways a rank meets a failure, one way out (`stop_run`):
+
+- its own exception (a data file it cannot read, a bug): it is the culprit;
+- a collective that fails under it (a peer died: the connection closed; a peer hangs: the collective
+  timeout, --collective-timeout, ran out);
+- its watchdog (`adaptive.train.run.watchdog`): its step ran far longer than the run's steps.
+
+A rank that cannot speak (killed, or stopped by SIGSTOP) is named by the others from the heartbeats
+every rank writes to RUN/faults/ (`diagnose`): a rank that wrote its own fault record first; else one
+whose process on this host is gone (with the signal that killed it, when the kernel still holds its
+exit status); else one whose heartbeat stopped HEARTBEAT_S x STALE_BEATS seconds ago; else the one
+furthest behind (lowest step, then earliest phase). The culprit's own line, or else the line of the
+lowest-numbered rank still alive, is the one line printed; the other ranks stop quietly.
+
+Each stopping rank writes every thread's stack (faulthandler) to RUN/faults/stacks-rank<r>.txt. The
+line's author appends the failure to events.jsonl (kind "fault": rank, step, phase, reason, restart,
+reported_by) and writes RUN/faults/fault-rank<r>.json. Then the process ends with os._exit(1): its main
+thread may be inside a collective that will never return, and the elastic agent reads any non-zero
+exit as a failure (it restarts the workers, --max-restarts, or stops them).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from adaptive.train.run.watchdog import FAULTS_DIR, HEARTBEAT_S, Progress, exit_status, read_heartbeats
+
+EVENTS_FILE = "events.jsonl"  # the orchestrator's decision log; a fault or restart is history it keeps
+STALE_BEATS = 4  # heartbeats missed before a rank counts as not responding
+EXIT_CODE = 1
+PHASE_ORDER = ("start", "data", "forward", "backward", "optimizer", "sync", "checkpoint", "eval", "export", "done")
+
+_stopping = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Culprit:
+    rank: int
+    reason: str
+    step: int | None = None
+    phase: str | None = None
+    spoke: bool = False  # it wrote its own fault record (its line is already out)
+
+
+def fault_file(output_dir: Path, rank: int) -> Path:
+    return Path(output_dir) / FAULTS_DIR / f"fault-rank{rank}.json"
+
+
+def stacks_file(output_dir: Path, rank: int) -> Path:
+    return Path(output_dir) / FAULTS_DIR / f"stacks-rank{rank}.txt"
+
+
+def append_event(output_dir: Path, record: dict[str, Any]) -> None:
+    """One line appended to events.jsonl (O_APPEND: lines of several writers do not interleave)."""
+    try:
+        with open(Path(output_dir) / EVENTS_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        pass
+
+
+def read_faults(output_dir: Path, restart: int) -> dict[int, dict[str, Any]]:
+    """The fault records of this attempt (rank -> record)."""
+    found = {}
+    for file in (Path(output_dir) / FAULTS_DIR).glob("fault-rank*.json"):
+        try:
+            record = json.loads(file.read_text(encoding="utf-8"))
+            if record.get("restart") == restart:
+                found[int(record["rank"])] = record
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def diagnose(output_dir: Path, rank: int, restart: int, wait: float = HEARTBEAT_S * STALE_BEATS) -> Culprit | None:
+    """The rank this one is waiting for, from the heartbeats and fault records of this attempt (polled for up to
+    `wait` seconds: a peer on another host is known dead only when its heartbeat goes stale). None: every peer
+    is alive and as far as this rank."""
+    deadline = time.monotonic() + wait
+    host = socket.gethostname()
+    while True:
+        faults = read_faults(output_dir, restart)
+        if faults:
+            first = min(faults.values(), key=lambda r: r.get("time", 0.0))
+            return Culprit(first["rank"], first["reason"], first.get("step"), first.get("phase"), spoke=True)
+        beats = {r: b for r, b in read_heartbeats(output_dir).items() if b.get("restart") == restart and r != rank}
+        for r, beat in sorted(beats.items()):
+            if beat.get("host") == host and isinstance(beat.get("pid"), int):
+                state, status = exit_status(beat["pid"])
+                if state != "alive":
+                    return Culprit(r, _death(beat["pid"], status), beat.get("step"), beat.get("phase"))
+        now = time.time()
+        stale = {r: now - b["time"] for r, b in beats.items() if now - b.get("time", now) > HEARTBEAT_S * STALE_BEATS}
+        if stale:
+            r = max(stale, key=stale.get)
+            return Culprit(r, f"not responding: no heartbeat for {stale[r]:.0f} s", beats[r].get("step"),
+                           beats[r].get("phase"))
+        if time.monotonic() >= deadline:
+            return _behind(beats)
+        time.sleep(0.2)
+
+
+def _death(pid: int, status: int | None) -> str:
+    if status is not None and os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        return f"killed by signal {number} ({signal.Signals(number).name})"
+    if status is not None and os.WIFEXITED(status):
+        return f"its process exited with code {os.WEXITSTATUS(status)}"
+    return f"its process {pid} is gone (killed or exited; the launcher's report gives the signal)"
+
+
+def _behind(beats: dict[int, dict[str, Any]]) -> Culprit | None:
+    """The peer least far along (step, then phase), when it is behind another one."""
+    def position(beat: dict[str, Any]) -> tuple[int, int]:
+        phase = beat.get("phase")
+        return beat.get("step", 0), PHASE_ORDER.index(phase) if phase in PHASE_ORDER else 0
+
+    if len(beats) < 1:
+        return None
+    slowest = min(beats, key=lambda r: position(beats[r]))
+    if all(position(b) == position(beats[slowest]) for b in beats.values()):
+        return None
+    beat = beats[slowest]
+    return Culprit(slowest, f"behind: still in step {beat.get('step')} ({beat.get('phase')})", beat.get("step"),
+                   beat.get("phase"))
+
+
+def dump_stacks(output_dir: Path, rank: int, headline: str) -> Path | None:
+    path = stacks_file(output_dir, rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(headline + "\n\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        return path
+    except OSError:
+        return None
+
+
+def stop_run(output_dir: Path, rank: int, restart: int, progress: Progress, *, own_reason: str | None = None,
+             waited: str | None = None, trace: str = "", exit_now: bool = True) -> Culprit:
+    """Stop this rank for a failure. `own_reason`: this rank failed itself (an exception). `waited`: what this
+    rank saw (a failed collective, its watchdog): the culprit is diagnosed. Writes the stacks, the record and
+    the one line when this rank is the one to say it, then ends the process (`exit_now`)."""
+    if not _stopping.acquire(blocking=False):  # the other path (watchdog or main thread) is already at it
+        if exit_now:
+            threading.Event().wait()  # the first caller ends the process
+        return Culprit(rank, "already stopping")
+    step, phase = progress.step, progress.phase
+    if own_reason is not None:
+        culprit = Culprit(rank, own_reason, step, phase)
+    else:
+        culprit = diagnose(output_dir, rank, restart) or Culprit(
+            rank, f"no progress for {waited}" if waited else "stopped", step, phase)
+    here = f"rank {rank} at step {step} ({phase})"
+    dump_stacks(output_dir, rank, f"{here}: {waited or own_reason}; culprit: rank {culprit.rank}: {culprit.reason}"
+                + (f"\n\n{trace}" if trace else ""))
+    if not culprit.spoke and _speaks(output_dir, rank, restart, culprit):
+        where = f"step {culprit.step} ({culprit.phase})" if culprit.step is not None else "an unknown step"
+        line = f"rank {culprit.rank} failed at {where}: {culprit.reason}"
+        if culprit.rank != rank:
+            line += f" (seen by rank {rank}: {waited})"
+        record = {"kind": "fault", "rank": culprit.rank, "step": culprit.step, "phase": culprit.phase,
+                  "reason": culprit.reason, "restart": restart, "reported_by": rank, "time": time.time()}
+        _write_fault(output_dir, rank, record)
+        append_event(output_dir, record)
+        sys.stderr.write(f"{line}; every rank stops (stacks and heartbeats in {Path(output_dir) / FAULTS_DIR})\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    if exit_now:
+        os._exit(EXIT_CODE)
+    return culprit
+
+
+def _speaks(output_dir: Path, rank: int, restart: int, culprit: Culprit) -> bool:
+    """The culprit speaks for itself; for a silent one, the lowest-numbered rank whose heartbeat is fresh."""
+    if culprit.rank == rank:
+        return True
+    now = time.time()
+    alive = [r for r, b in read_heartbeats(output_dir).items()
+             if b.get("restart") == restart and r != culprit.rank and now - b.get("time", 0.0) <= HEARTBEAT_S * STALE_BEATS]
+    return not alive or rank <= min(alive)
+
+
+def _write_fault(output_dir: Path, rank: int, record: dict[str, Any]) -> None:
+    path = fault_file(output_dir, rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(record), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def record_own_failure(output_dir: Path, rank: int, restart: int, progress: Progress, reason: str) -> None:
+    """This rank's own failure, written before it ends (AdaptiveError: its one line is printed by the recipe):
+    the peers find it and stay quiet."""
+    record = {"kind": "fault", "rank": rank, "step": progress.step, "phase": progress.phase, "reason": reason,
+              "restart": restart, "reported_by": rank, "time": time.time()}
+    _write_fault(output_dir, rank, record)
+    append_event(output_dir, record)
+
+
+@contextmanager
+def guarded(output_dir: Path, rank: int, world_size: int, restart: int, progress: Progress,
+            collective_timeout: float) -> Iterator[None]:
+    """Train inside this: the watchdog runs (heartbeats, the stall check), and with several processes a failure
+    stops this rank through `stop_run` (AdaptiveError, bad input or a full disk, keeps its own one line and exit
+    code 2; its record tells the peers who failed)."""
+    from adaptive.errors import AdaptiveError
+    from adaptive.train.run.watchdog import Watchdog, heartbeat_file
+
+    for own in (fault_file(output_dir, rank), heartbeat_file(output_dir, rank)):  # a past run's
+        own.unlink(missing_ok=True)
+
+    def stalled(seconds: float) -> None:
+        stop_run(output_dir, rank, restart, progress, waited=f"no progress for {seconds:.0f} s in {progress.phase}")
+
+    watchdog = Watchdog(progress, output_dir, rank, restart, collective_timeout, stalled)
+    watchdog.start()
+    try:
+        yield
+    except AdaptiveError as err:
+        if world_size > 1:
+            record_own_failure(output_dir, rank, restart, progress, str(err))
+        raise
+    except Exception as err:
+        if world_size == 1:
+            raise
+        if collective_failure(err):
+            stop_run(output_dir, rank, restart, progress, waited=f"a collective failed ({exception_reason(err)})")
+        _record_for_torchelastic(err)
+        stop_run(output_dir, rank, restart, progress, own_reason=exception_reason(err),
+                 trace="".join(traceback.format_exception(err)))
+    finally:
+        progress.phase = "done"
+        watchdog.stop()
+
+
+def collective_failure(err: BaseException) -> bool:
+    """A failure of the process group rather than of this rank's own work: torch's c10d errors (NCCL), or gloo's
+    RuntimeError from its transport (a peer's closed connection, a timed-out receive)."""
+    import torch.distributed as dist
+
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(mark in text for mark in (
+        "gloo/transport", "Connection closed by peer", "Connection reset by peer", "Timed out waiting", "NCCL"))
+
+
+def _record_for_torchelastic(err: BaseException) -> None:
+    """torchrun's report of the failed worker reads TORCHELASTIC_ERROR_FILE; torch's own ErrorHandler writes it."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(err)
+    except Exception:  # the report is a courtesy; the fault record and the line are written next
+        pass
+
+
+def exception_reason(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:300]}" if text else type(err).__name__
+
+
+__all__ = ["Culprit", "EXIT_CODE", "append_event", "collective_failure", "diagnose", "dump_stacks",
+           "exception_reason", "fault_file", "guarded", "read_faults", "record_own_failure", "stacks_file", "stop_run"]
