@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -169,11 +169,14 @@ def stop_run(output_dir: Path, rank: int, restart: int, progress: Progress, *, o
     else:
         culprit = diagnose(output_dir, rank, restart) or Culprit(
             rank, f"no progress for {waited}" if waited else "stopped", step, phase)
+    if culprit.rank != rank and not culprit.spoke:  # a silent peer: the step is the one the collective belongs to
+        # its heartbeat may be older than the step: it was in the step this rank waits in, at or before this phase
+        culprit = replace(culprit, step=step, phase=culprit.phase if culprit.step == step else phase)
     here = f"rank {rank} at step {step} ({phase})"
     dump_stacks(output_dir, rank, f"{here}: {waited or own_reason}; culprit: rank {culprit.rank}: {culprit.reason}"
                 + (f"\n\n{trace}" if trace else ""))
     if not culprit.spoke and _speaks(output_dir, rank, restart, culprit):
-        where = f"step {culprit.step} ({culprit.phase})" if culprit.step is not None else "an unknown step"
+        where = f"step {culprit.step}" + (f" ({culprit.phase})" if culprit.phase else "")
         line = f"rank {culprit.rank} failed at {where}: {culprit.reason}"
         if culprit.rank != rank:
             line += f" (seen by rank {rank}: {waited})"
@@ -181,6 +184,8 @@ def stop_run(output_dir: Path, rank: int, restart: int, progress: Progress, *, o
                   "reason": culprit.reason, "restart": restart, "reported_by": rank, "time": time.time()}
         _write_fault(output_dir, rank, record)
         append_event(output_dir, record)
+        if culprit.rank != rank:  # torchrun's failure summary names this rank: say there whom it waited for
+            _record_for_torchelastic(RuntimeError(line))
         sys.stderr.write(f"{line}; every rank stops (stacks and heartbeats in {Path(output_dir) / FAULTS_DIR})\n")
     sys.stderr.flush()
     sys.stdout.flush()
@@ -245,8 +250,13 @@ def guarded(output_dir: Path, rank: int, world_size: int, restart: int, progress
     except Exception as err:
         if world_size == 1:
             raise
+        if threading.current_thread() is threading.main_thread():
+            # the launcher SIGTERMs every worker as soon as one fails, and the loop's handler is gone with the
+            # loop: this rank is stopping already, and must live the few seconds it takes to say why
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if collective_failure(err):
-            stop_run(output_dir, rank, restart, progress, waited=f"a collective failed ({exception_reason(err)})")
+            stop_run(output_dir, rank, restart, progress, waited=f"its collective in {progress.phase} failed",
+                     trace=exception_reason(err))
         _record_for_torchelastic(err)
         stop_run(output_dir, rank, restart, progress, own_reason=exception_reason(err),
                  trace="".join(traceback.format_exception(err)))

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-HEARTBEAT_S = 2.0
+HEARTBEAT_S = 1.0
 STALL_FACTOR = 10.0
 STALL_FLOOR_S = 60.0
 RECENT_STEPS = 50
@@ -69,10 +69,8 @@ class Progress:
     def during(self, phase: str) -> Iterator[None]:
         """A phase the watchdog does not time (a checkpoint, an eval, an export); the one before comes back."""
         before, self.phase = self.phase, phase
-        try:
-            yield
-        finally:
-            self.phase, self.since = before, time.monotonic()
+        yield  # a failure inside keeps the phase: the fault record names it
+        self.phase, self.since = before, time.monotonic()
 
     def stall_limit(self, hard_limit: float) -> float | None:
         """Seconds the current step may run; None before the first step is done (warm-up)."""
