@@ -148,3 +148,11 @@ def test_the_use_the_trained_model_example_runs_on_a_runs_export(tmp_path, monke
     assert generated.startswith("The devil is") and len(generated) > len("The devil is")
     words = perplexity.split()
     assert words[0] == "perplexity" and 1 < float(words[1]) < 10 * 2048, perplexity  # untrained: about the vocab
+
+
+def test_the_launch_section_documents_every_option_only_launch_takes():
+    from adaptive.config.run import LAUNCH, TRAIN, options_for
+
+    section = (REPO_ROOT / "README.md").read_text().split("### `adaptive launch`", 1)[1].split("\n## ", 1)[0]
+    launch_only = {flag.name for _, _, flag in options_for(LAUNCH) if TRAIN not in flag.commands}
+    assert launch_only and not {o for o in launch_only if f"`{o}" not in section}, launch_only
