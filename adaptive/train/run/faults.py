@@ -41,6 +41,7 @@ from adaptive.train.run.watchdog import FAULTS_DIR, HEARTBEAT_S, Progress, exit_
 
 EVENTS_FILE = "events.jsonl"  # the orchestrator's decision log; a fault or restart is history it keeps
 STALE_BEATS = 4  # heartbeats missed before a rank counts as not responding
+DIAGNOSE_WAIT_S = HEARTBEAT_S * STALE_BEATS  # long enough for a dead peer on another host to go stale
 EXIT_CODE = 1
 PHASE_ORDER = ("start", "data", "forward", "backward", "optimizer", "sync", "checkpoint", "eval", "export", "done")
 
@@ -88,11 +89,12 @@ def read_faults(output_dir: Path, restart: int) -> dict[int, dict[str, Any]]:
     return found
 
 
-def diagnose(output_dir: Path, rank: int, restart: int, wait: float = HEARTBEAT_S * STALE_BEATS) -> Culprit | None:
+def diagnose(output_dir: Path, rank: int, restart: int, wait: float | None = None,
+             here: tuple[int, str] = (0, "start")) -> Culprit | None:
     """The rank this one is waiting for, from the heartbeats and fault records of this attempt (polled for up to
-    `wait` seconds: a peer on another host is known dead only when its heartbeat goes stale). None: every peer
-    is alive and as far as this rank."""
-    deadline = time.monotonic() + wait
+    `wait` seconds: a peer on another host is known dead only when its heartbeat goes stale). `here`: this rank's
+    (step, phase). None: every peer is alive and no peer is behind this rank (this rank itself may be)."""
+    deadline = time.monotonic() + (DIAGNOSE_WAIT_S if wait is None else wait)
     host = socket.gethostname()
     while True:
         faults = read_faults(output_dir, restart)
@@ -112,7 +114,7 @@ def diagnose(output_dir: Path, rank: int, restart: int, wait: float = HEARTBEAT_
             return Culprit(r, f"not responding: no heartbeat for {stale[r]:.0f} s", beats[r].get("step"),
                            beats[r].get("phase"))
         if time.monotonic() >= deadline:
-            return _behind(beats)
+            return _behind(beats, rank, here)
         time.sleep(0.2)
 
 
@@ -125,19 +127,20 @@ def _death(pid: int, status: int | None) -> str:
     return f"its process {pid} is gone (killed or exited; the launcher's report gives the signal)"
 
 
-def _behind(beats: dict[int, dict[str, Any]]) -> Culprit | None:
-    """The peer least far along (step, then phase), when it is behind another one."""
-    def position(beat: dict[str, Any]) -> tuple[int, int]:
-        phase = beat.get("phase")
-        return beat.get("step", 0), PHASE_ORDER.index(phase) if phase in PHASE_ORDER else 0
+def _behind(beats: dict[int, dict[str, Any]], rank: int, here: tuple[int, str]) -> Culprit | None:
+    """The peer least far along (step, then phase) when it is behind this rank or another peer; None when this rank
+    is itself among the furthest behind (its own watchdog says why), or every rank is level."""
+    def position(step: Any, phase: Any) -> tuple[int, int]:
+        return (step if isinstance(step, int) else 0), (PHASE_ORDER.index(phase) if phase in PHASE_ORDER else 0)
 
-    if len(beats) < 1:
+    where = {r: position(b.get("step"), b.get("phase")) for r, b in beats.items()}
+    where[rank] = position(*here)
+    slowest = min(where.values())
+    behind = sorted(r for r, p in where.items() if p == slowest)
+    if rank in behind or len(behind) == len(where):
         return None
-    slowest = min(beats, key=lambda r: position(beats[r]))
-    if all(position(b) == position(beats[slowest]) for b in beats.values()):
-        return None
-    beat = beats[slowest]
-    return Culprit(slowest, f"behind: still in step {beat.get('step')} ({beat.get('phase')})", beat.get("step"),
+    culprit, beat = behind[0], beats[behind[0]]
+    return Culprit(culprit, f"behind: still in step {beat.get('step')} ({beat.get('phase')})", beat.get("step"),
                    beat.get("phase"))
 
 
@@ -167,8 +170,8 @@ def stop_run(output_dir: Path, rank: int, restart: int, progress: Progress, *, o
     if own_reason is not None:
         culprit = Culprit(rank, own_reason, step, phase)
     else:
-        culprit = diagnose(output_dir, rank, restart) or Culprit(
-            rank, f"no progress for {waited}" if waited else "stopped", step, phase)
+        culprit = diagnose(output_dir, rank, restart, here=(step, phase)) or Culprit(rank, waited or "stopped",
+                                                                                      step, phase)
     if culprit.rank != rank and not culprit.spoke:  # a silent peer: the step is the one the collective belongs to
         # its heartbeat may be older than the step: it was in the step this rank waits in, at or before this phase
         culprit = replace(culprit, step=step, phase=culprit.phase if culprit.step == step else phase)

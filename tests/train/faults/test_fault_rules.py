@@ -114,16 +114,25 @@ def test_a_silent_peer_is_named_by_its_stale_heartbeat_and_a_speaking_one_by_its
         "a record of another attempt is not this one's"
 
 
-def test_with_every_peer_alive_and_level_nobody_is_blamed_but_one_behind_is(tmp_path):
+def test_with_every_rank_alive_the_one_behind_is_named_unless_it_is_this_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(faults, "DIAGNOSE_WAIT_S", 0.0)
     for rank in range(3):
-        beat(tmp_path, rank, os.getpid(), step=5, phase="sync")
-    assert faults.diagnose(tmp_path, rank=0, restart=0, wait=0) is None
-    beat(tmp_path, 2, os.getpid(), step=5, phase="backward")
-    culprit = faults.diagnose(tmp_path, rank=0, restart=0, wait=0)
-    assert (culprit.rank, culprit.reason) == (2, "behind: still in step 5 (backward)")
+        beat(tmp_path, rank, os.getpid(), step=5, phase="optimizer")
+    assert faults.diagnose(tmp_path, rank=0, restart=0, wait=0, here=(5, "optimizer")) is None, "all level"
+    beat(tmp_path, 2, os.getpid(), step=5, phase="data")
+    culprit = faults.diagnose(tmp_path, rank=0, restart=0, wait=0, here=(5, "optimizer"))
+    assert (culprit.rank, culprit.reason) == (2, "behind: still in step 5 (data)")
+    # rank 2's own view: it is the one behind, so its watchdog's own reason stands
+    assert faults.diagnose(tmp_path, rank=2, restart=0, wait=0, here=(5, "data")) is None
+    progress = Progress()
+    progress.step, progress.phase = 5, "data"
+    culprit = faults.stop_run(tmp_path, 2, 0, progress, waited="no progress for 61 s in data", exit_now=False)
+    faults._stopping.release()
+    assert (culprit.rank, culprit.reason) == (2, "no progress for 61 s in data")
 
 
-def test_stop_run_writes_stacks_a_record_and_one_line_from_the_lowest_live_rank(tmp_path, capsys):
+def test_stop_run_writes_stacks_a_record_and_one_line_from_the_lowest_live_rank(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(faults, "DIAGNOSE_WAIT_S", 0.0)
     beat(tmp_path, 0, os.getpid())
     beat(tmp_path, 1, os.getpid(), age=40, step=4)
     beat(tmp_path, 2, os.getpid())
