@@ -238,12 +238,9 @@ def plan_launch(req: LaunchRequest) -> Launch:
                             gpu=request.gpu.name if cpu_ds_config is None else None,
                             gpus=None, nodes=None, seq_len=s.seq_len, gradient_checkpointing=s.gradient_checkpointing,
                             ep_size=s.ep_size if s.spec.is_moe else None)
-    # the timeout a rank waits for the others, written out even at its default: what a stuck run costs is read here
-    timeout = [] if "--collective-timeout" in to_argv(handed, TRAIN) else \
-        ["--collective-timeout", f"{config.faults.collective_timeout:g}"]
-    recipe_args = [str(recipe.resolve()), *to_argv(handed, TRAIN), *timeout, *req.recipe_args]
+    recipe_args = [str(recipe.resolve()), *to_argv(handed, TRAIN), *req.recipe_args]  # --collective-timeout too
     base = ["accelerate", "launch", "--config_file", str(files["accelerate_config"])]
-    if hosts is None:  # torchrun's elastic agent restarts the worker group (accelerate launch --max_restarts)
+    if hosts is None and config.faults.max_restarts:  # torchrun's elastic agent restarts the worker group
         base += ["--max_restarts", str(config.faults.max_restarts)]
     elif config.faults.max_restarts:
         notes.append(f"--max-restarts {config.faults.max_restarts} is not applied: DeepSpeed's pdsh launcher restarts "

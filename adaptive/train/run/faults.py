@@ -233,6 +233,7 @@ def guarded(output_dir: Path, rank: int, world_size: int, restart: int, progress
     """Train inside this: the watchdog runs (heartbeats, the stall check), and with several processes a failure
     stops this rank through `stop_run` (AdaptiveError, bad input or a full disk, keeps its own one line and exit
     code 2; its record tells the peers who failed)."""
+    from adaptive.engine import collective_failure
     from adaptive.errors import AdaptiveError
     from adaptive.train.run.watchdog import Watchdog, heartbeat_file
 
@@ -268,18 +269,6 @@ def guarded(output_dir: Path, rank: int, world_size: int, restart: int, progress
         watchdog.stop()
 
 
-def collective_failure(err: BaseException) -> bool:
-    """A failure of the process group rather than of this rank's own work: torch's c10d errors (NCCL), or gloo's
-    RuntimeError from its transport (a peer's closed connection, a timed-out receive)."""
-    import torch.distributed as dist
-
-    if isinstance(err, getattr(dist, "DistError", ())):
-        return True
-    text = str(err)
-    return isinstance(err, RuntimeError) and any(mark in text for mark in (
-        "gloo/transport", "Connection closed by peer", "Connection reset by peer", "Timed out waiting", "NCCL"))
-
-
 def _record_for_torchelastic(err: BaseException) -> None:
     """torchrun's report of the failed worker reads TORCHELASTIC_ERROR_FILE; torch's own ErrorHandler writes it."""
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
@@ -297,5 +286,5 @@ def exception_reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0][:300]}" if text else type(err).__name__
 
 
-__all__ = ["Culprit", "EXIT_CODE", "append_event", "collective_failure", "diagnose", "dump_stacks",
+__all__ = ["Culprit", "EXIT_CODE", "append_event", "diagnose", "dump_stacks",
            "exception_reason", "fault_file", "guarded", "read_faults", "record_own_failure", "stacks_file", "stop_run"]

@@ -214,15 +214,18 @@ def test_a_multi_node_dry_run_shows_the_restarts_and_the_timeout_in_every_comman
     from tests.conftest import REPO_ROOT
 
     recipe = str(REPO_ROOT / "recipes" / "debug_dense.py")
-    config = RunConfig().replace(gpu="a100-80gb", gpus=8, nodes=2, max_restarts=2, output_dir=str(tmp_path / "a"))
+    config = RunConfig().replace(gpu="a100-80gb", gpus=8, nodes=2, max_restarts=2, collective_timeout=120.0,
+                                 output_dir=str(tmp_path / "a"))
     planned = plan_launch(LaunchRequest(recipe=recipe, config=config, main_process_ip="10.0.0.1", dry_run=True))
-    for command in map(shlex.join, planned.commands):
-        assert "--max_restarts 2" in command and "--collective-timeout 600" in command
-    config = config.replace(collective_timeout=120.0, output_dir=str(tmp_path / "b"))
+    assert len(planned.commands) == 2
+    for command in planned.commands:
+        assert command[4:6] == ["--max_restarts", "2"], "accelerate launch's own flag, before the recipe"
+        assert command[-2:] == ["--collective-timeout", "120.0"]
+    config = config.replace(output_dir=str(tmp_path / "b"))
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node-a slots=8\nnode-b slots=8\n")
     planned = plan_launch(LaunchRequest(recipe=recipe, config=config, hostfile=str(hostfile), dry_run=True))
-    assert "--collective-timeout 120" in shlex.join(planned.deepspeed_command)
+    assert "--collective-timeout 120.0" in shlex.join(planned.deepspeed_command)
     assert "--max_restarts" not in shlex.join(planned.commands[0])
     assert any("--max-restarts 2 is not applied: DeepSpeed's pdsh launcher restarts nothing" in n
                for n in planned.notes)
