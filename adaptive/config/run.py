@@ -197,6 +197,10 @@ class ParallelismOptions:
     tp_size: int | None = option(
         None, "--tp-size", commands=PLANNING, minimum=1,
         help="Pin the AutoTP tensor-parallel size (DeepSpeed's autotp_size), within a node.")
+    pp_size: int | None = option(
+        None, "--pp-size", commands=PLANNING, minimum=1,
+        help="Pin the pipeline-parallel size (DeepSpeed's pipeline engine): the layers split into this many "
+             "stages; the micro-batches per step are the gradient accumulation steps; ZeRO-1 at most.")
     zero_hpz: int | None = option(
         None, "--zero-hpz", commands=PLANNING, minimum=1,
         help="Pin ZeRO++ hpZ (DeepSpeed's hpz partition size): a secondary ZeRO-3 parameter copy sharded over "
