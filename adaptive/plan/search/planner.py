@@ -471,8 +471,11 @@ def search(req: FitRequest, spec: ModelSpec, global_tokens: int, host_mem: int,
     """The best fitting candidate and everything evaluated. A pinned --pp-size plans that pipeline; unpinned,
     pipelines are searched too where the world spans nodes (what crosses them is the question) or nothing
     else fits, and one is chosen only when it is faster than the best layout without one."""
-    if req.pp_size is not None:
-        return _search_layouts(req, spec, global_tokens, host_mem, ckpts)
+    pins_refuse_pp = ((req.zero_stage or 0) >= 2 or (req.sp_size or 1) > 1 or (req.zero_hpz or 1) > 1
+                      or req.zero_quantized_weights or req.zero_quantized_gradients)  # parallel.py pp_error
+    if req.pp_size is not None or pins_refuse_pp:
+        return _search_layouts(req if req.pp_size is not None else replace(req, pp_size=1), spec, global_tokens,
+                               host_mem, ckpts)
     plain, evaluated = _search_layouts(replace(req, pp_size=1), spec, global_tokens, host_mem, ckpts)
     if req.num_nodes == 1 and plain is not None:
         return plain, evaluated
