@@ -4,19 +4,25 @@ the job's first node, when SLURM_RESTART_COUNT > 0 (`adaptive.slurm.batch`).
 
     python -m adaptive.slurm.requeue RUN_DIR
 
-Sizes are checked here, digests by the run's own resume (which falls back to an older checkpoint).
+Torch-free, so a requeued job starts at once: a checkpoint folder gets its step name only when it is
+complete (written as .tmp-step_N, manifest last, then renamed: adaptive.train.run_folder.checkpoint),
+so a `step_N` folder with its COMPLETE.json is one. The run's resume verifies sizes and digests, and
+falls back to an older checkpoint.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
+CHECKPOINTS, MANIFEST = "checkpoints", "COMPLETE.json"  # adaptive.train.run_folder.checkpoint's names
+_STEP_DIR = re.compile(r"^step_\d+$")
+
 
 def has_checkpoint(run_dir: Path) -> bool:
-    from adaptive.train.run_folder.checkpoint import find_checkpoint
-
-    return find_checkpoint("auto", Path(run_dir), digests=False) is not None
+    root = Path(run_dir) / CHECKPOINTS
+    return root.is_dir() and any(_STEP_DIR.match(p.name) and (p / MANIFEST).is_file() for p in root.iterdir())
 
 
 def main(argv: list[str]) -> int:
