@@ -126,3 +126,39 @@ def test_status_of_a_run_folder_without_a_job_says_so(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "no batch job" in out and "run: step 4 of 8, loss 6.5000; latest checkpoint none" in out
     assert run(["status", str(tmp_path / "missing")]) == 2
+
+
+def test_each_node_runs_accelerates_launcher_with_its_rank_and_the_main_node(capsys, tmp_path, monkeypatch):
+    """The script's srun command as bash expands it on node 2 of 4, read by accelerate's own launcher: 4 machines of
+    8 processes, this one rank 2, the main node's address and port, the recipe with the run's arguments."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import launch as accelerate_launch
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    run = tmp_path / "run"
+    code, _, err = launch(capsys, *GPU_RUN, "--run-dir", str(run), "--dry-run")
+    assert code == 0, err
+    script = (run / "job.sbatch").read_text()
+    args_line = next(line for line in script.splitlines() if line.startswith("ARGS=("))
+    snippet = re.search(r"bash -c ('.*?') \\\n\s+\"\$PY\" (\S+) \"\$\{ARGS\[@\]\}\" &", script)
+    printer = tmp_path / "printer"
+    printer.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    printer.chmod(0o755)
+    done = subprocess.run(["bash", "-c", f'{args_line}; bash -c {snippet[1]} {printer} {snippet[2]} "${{ARGS[@]}}"'],
+                          capture_output=True, text=True, timeout=10,
+                          env={"SLURM_NODEID": "2", "MAIN_ADDR": "node-a", "MAIN_PORT": "29500", "PATH": "/usr/bin:/bin"})
+    argv = done.stdout.splitlines()
+    assert argv[:2] == ["-m", "accelerate.commands.launch"], done.stderr
+    monkeypatch.setattr(accelerate_launch, "is_port_in_use", lambda port=None: False)
+    parsed, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(argv[2:]))
+    parsed.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+    assert (parsed.num_machines, parsed.num_processes, parsed.machine_rank) == (4, 32, 2)
+    assert (parsed.main_process_ip, parsed.main_process_port) == ("node-a", 29500)
+    assert parsed.deepspeed_multinode_launcher == "standard"  # torchrun on each node, not pdsh
+    prepare_deepspeed_cmd_env(parsed)
+    assert (parsed.nnodes, parsed.node_rank, parsed.nproc_per_node) == ("4", 2, "8")
+    assert parsed.rdzv_endpoint == "node-a:29500"  # torchrun's rendezvous on the main node
+    assert parsed.training_script == str(REPO_ROOT / "recipes" / "b1_moe.py")
+    recipe_args = parsed.training_script_args
+    assert recipe_args[recipe_args.index("--output-dir") + 1] == str(run)
+    assert not {"--scheduler", "--job-name", "--time", "--requeue", "--gpus", "--nodes"} & set(recipe_args)

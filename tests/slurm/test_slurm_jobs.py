@@ -50,15 +50,22 @@ def submit(run: Path, home: Path, *extra: str) -> str:
 
 
 def wait_for(what, timeout: float, job_id: str, run: Path):
-    """Poll every 0.1 s until what() is truthy; on timeout fail with the job's state and its log's tail."""
+    """Poll every 0.1 s until what() is truthy; fail at once if the job ends first, or on timeout, with the job's
+    state and its log's tail."""
     deadline = time.monotonic() + timeout
+    polls = 0
     while time.monotonic() < deadline:
         value = what()
         if value:
             return value
+        polls += 1
+        if polls % 10 == 0 and job(job_id)["JobState"] in ENDED:
+            break
         time.sleep(0.1)
     logs = "".join(p.read_text()[-3000:] for p in sorted(run.glob("slurm-*")))
-    pytest.fail(f"timed out: job {job_id} {job(job_id).get('JobState')} {job(job_id).get('Reason')}\n{logs}")
+    state = job(job_id)
+    pytest.fail(f"job {job_id} {state.get('JobState')} ({state.get('Reason')}) before the test saw what it waited for"
+                f"\n{logs}")
 
 
 def written(run: Path, kind: str) -> list[dict]:
@@ -75,8 +82,10 @@ def last_step(run: Path) -> int:
 
 def release_requeued(job_id: str, run: Path) -> None:
     """A requeued batch job waits for Slurm's credential lifetime (AuthInfo cred_expire, 120 s by default) before
-    it may start again (its Reason is BeginTime); start it now, as an administrator can."""
+    it may start again (its Reason is BeginTime); start it sooner, as an administrator can. Not in the second it
+    was requeued: slurmd refuses a job credential no newer than the revoked one ("Job credential revoked")."""
     wait_for(lambda: job(job_id)["JobState"] == "PENDING", 60, job_id, run)
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
 
 
