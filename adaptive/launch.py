@@ -249,8 +249,10 @@ def plan_launch(req: LaunchRequest) -> Launch:
         acc["deepspeed_config"]["deepspeed_hostfile"] = str(Path(req.hostfile).expanduser().resolve())
     if not keep:
         files["accelerate_config"].write_text(to_yaml(acc))
-        if script is not None:
-            atomic_write_text(files["batch_script"], script)
+    if script is not None and not (keep and files["batch_script"].exists()):  # a new file overwrites nothing
+        atomic_write_text(files["batch_script"], script)
+        if keep:
+            notes.append(f"wrote {files['batch_script']}: it is new, so it replaced nothing")
 
     base = ["accelerate", "launch", "--config_file", str(files["accelerate_config"])]
     deepspeed_command = None

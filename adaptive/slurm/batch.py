@@ -1,7 +1,8 @@
 """The Slurm batch job of a planned run: its resources and time limit from the plan, and the script.
 
     #SBATCH --nodes, --ntasks-per-node=1 (one launcher per node), --gpus-per-node (GPU plans),
-    #SBATCH --cpus-per-task (the node's processes and their data workers), --mem, --time, --signal
+    #SBATCH --cpus-per-task (the node's processes and their data workers), --mem (per process: an
+    #SBATCH allowance, its checkpoint shard, a CPU run's training memory; and offloaded states), --time, --signal
     srun: accelerate's launcher on every node, its rank SLURM_NODEID, its main node the job's first
 
 Time: the plan's predicted training time (or --max-steps x its step time) x TIME_MARGIN + STARTUP,
@@ -33,7 +34,7 @@ CHECKPOINT_WRITE_BYTES_PER_S = 1e9  # per node, to a shared filesystem: a conser
 SIGNAL_MARGIN_S = 60  # for the launcher and the processes to exit after the checkpoint
 SIGNAL_MIN_S = 120
 SIGNAL_MAX_S = 65535  # what Slurm's --signal accepts
-PROCESS_GIB = {"gpu": 8, "cpu": 2}  # host memory of one training process besides what the plan counts
+PROCESS_GIB = {"gpu": 8, "cpu": 2}  # host memory of one training process besides its data and checkpoint share
 SCRIPT = "job.sbatch"
 STOP_REQUEST = "STOP"  # the training loop's stop request (adaptive.train.run.loop.STOP_REQUEST)
 
@@ -115,7 +116,10 @@ def plan_job(*, nodes: int, processes: int, gpu: bool, run_s: float | None, step
             why.append(f"time: capped by --time {time_pin}" + (
                 f" (the plan needs {format_time(time_s)}: the run checkpoints at the limit)" if time_s else ""))
             time_s = pinned
-    per_process = PROCESS_GIB["gpu" if gpu else "cpu"] * 2**30 + (0 if gpu else process_bytes)
+    # each process: its allowance, its share of a checkpoint (which passes through host memory when saved or
+    # loaded), and on a CPU the training itself
+    shard = params * CHECKPOINT_BYTES_PER_PARAM / (nodes * processes)
+    per_process = PROCESS_GIB["gpu" if gpu else "cpu"] * 2**30 + shard + (0 if gpu else process_bytes)
     mem_gib = math.ceil((host_bytes_per_node + processes * per_process) / 2**30)
     workers = data_workers if data_workers is not None else (2 if gpu else 1)
     cpus = cpus_per_task or processes * (1 + workers)
@@ -202,9 +206,11 @@ def batch_script(job: BatchJob) -> str:
               "# Slurm's USR1 before the time limit: the run checkpoints after its current step and stops.",
               "STOPPED=0",
               f"trap 'STOPPED=1; touch \"$RUN\"/{STOP_REQUEST}' USR1", "",
-              "# One launcher per node: accelerate, its machine rank the node's, its main node the job's first.",
+              "# One launcher per node: accelerate, its machine rank the node's, its main node the job's first. The",
+              "# step takes the job's CPUs (and GPUs) on each node: srun (Slurm 22.05 on) does not inherit --cpus-per-task.",
               'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 '
-              '--kill-on-bad-exit=1 \\',
+              '--cpus-per-task="$SLURM_CPUS_PER_TASK" '
+              + ('--gpus-per-node="$SLURM_GPUS_PER_NODE" ' if r.gpus_per_node else "") + '--kill-on-bad-exit=1 \\',
               "    bash -c 'exec \"$0\" -m accelerate.commands.launch --config_file \"$1\" --machine_rank "
               "\"$SLURM_NODEID\" --main_process_ip \"$MAIN_ADDR\" --main_process_port \"$MAIN_PORT\" \"${@:2}\"' \\",
               f"    \"$PY\" {q(str(job.accelerate_config))} \"${{ARGS[@]}}\" &",

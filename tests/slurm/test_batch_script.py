@@ -47,7 +47,8 @@ def test_time_and_signal_come_from_the_plan_and_a_pin_caps_the_time():
     checkpoint_s = 10**9 * CHECKPOINT_BYTES_PER_PARAM / 2 / CHECKPOINT_WRITE_BYTES_PER_S  # 8 s per node
     assert job.signal_s == max(120, math.ceil(2.0 + checkpoint_s + SIGNAL_MARGIN_S))
     assert job.time_s == math.ceil(3600 * 1.25 + 15 * 60)
-    assert (job.gpus_per_node, job.cpus_per_task, job.mem_gib) == (8, 8 * 3, 8 * 8)
+    # 8 processes per node, each 8 GiB and its 1/16 of the 16 GB checkpoint; 2 data workers + itself
+    assert (job.gpus_per_node, job.cpus_per_task, job.mem_gib) == (8, 8 * 3, math.ceil(8 * (8 + 1e9 / 2**30)))
     assert plan_job(run_s=3600.0, step_s=2.0, time_pin="1:00:00", **common).time_s == 3600
     with pytest.raises(AdaptiveError, match=r"--time 5 is shorter than one checkpoint interval \(100 steps x 2.0 s"):
         plan_job(run_s=3600.0, step_s=2.0, time_pin="5", **common)  # 300 s < 200 s + the 120 s warning
