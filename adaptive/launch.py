@@ -18,6 +18,8 @@ Every command is accelerate's launcher:
 * with --hostfile: DeepSpeed's launcher, which accelerate starts from the main node
   (deepspeed_multinode_launcher pdsh and deepspeed_hostfile in the accelerate config); pdsh
   starts the processes on every host of the hostfile.
+* with --scheduler slurm: RUN/job.sbatch, a batch job whose `srun` starts accelerate's launcher on
+  every node (`adaptive.slurm.batch`); --submit hands it to `sbatch` and records the job id.
 
 The recipe gets the run options given to launch, `--ds-config RUN/ds_config.json --output-dir RUN`
 and the knobs the DeepSpeed config cannot carry (`--gpu`, `--seq-len`, `--ep-size`,
@@ -33,6 +35,7 @@ import logging
 import os
 import re
 import shlex
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +47,7 @@ from adaptive.errors import AdaptiveError
 from adaptive.extras import require
 from adaptive.plan import Plan, fit, make_request
 from adaptive.plan.ds_config.emit import accelerate_config, to_yaml, write_plan_files
+from adaptive.slurm.batch import SCRIPT, BatchJob, batch_script, check_sbatch_path, plan_job
 
 MAIN_NODE_PLACEHOLDER = "MAIN_NODE_IP"
 
@@ -76,13 +80,14 @@ class Launch:
     deepspeed_command: list[str] | None = None  # what accelerate runs for a hostfile launch
     notes: list[str] = field(default_factory=list)
     written: bool = True  # the files were written (a dry run into an existing run folder keeps them)
+    batch_script: Path | None = None  # --scheduler slurm: the job to submit (nothing runs here)
 
     def as_dict(self) -> dict[str, Any]:
         return {"preset": self.preset, "arch": self.arch, "run_dir": str(self.run_dir), "launcher": self.launcher,
                 "files": {k: str(v) for k, v in self.files.items()}, "files_written": self.written,
                 "commands": [shlex.join(c) for c in self.commands], "this_node": shlex.join(self.this_node),
                 "deepspeed_command": shlex.join(self.deepspeed_command) if self.deepspeed_command else None,
-                "notes": self.notes}
+                "batch_script": str(self.batch_script) if self.batch_script else None, "notes": self.notes}
 
 
 # DeepSpeed's hostfile grammar (deepspeed/launcher/runner.py `_parse_hostfile`): `host slots=N` per line,
@@ -155,7 +160,8 @@ def plan_launch(req: LaunchRequest) -> Launch:
     # written, not after the launch
     declared.check_args([*to_argv(config, TRAIN), *req.recipe_args], "adaptive launch", req.own_options)
     orchestrator_settings(config)  # the recipe would refuse them after the launch; refuse them before
-    if not req.dry_run:
+    slurm = _check_scheduler(req)
+    if not req.dry_run and not slurm:  # a batch job runs on the cluster's nodes, not here
         require("adaptive launch")  # before the run folder is written
     gpus, nodes = config.hardware.gpus or 1, config.hardware.nodes or 1
     gpu = config.hardware.gpu or _detected_gpu()
@@ -212,11 +218,25 @@ def plan_launch(req: LaunchRequest) -> Launch:
             _require_a_checkpoint(config.output.resume, run_dir)
     files = {"ds_config": run_dir / "ds_config.json", "accelerate_config": run_dir / "accelerate_config.yaml",
              "plan": run_dir / "plan.json"}
+    if slurm:
+        files["batch_script"] = run_dir / SCRIPT
+        check_sbatch_path(run_dir)  # before anything is written
     if hosts is not None:  # checked before anything is written
         _shell_safe([str(run_dir), str(recipe.resolve()), *to_argv(config, TRAIN), *req.recipe_args])
+    # the recipe re-derives this plan: the user's options, the written DeepSpeed config, and the knobs
+    # that config cannot carry (the launcher, not a flag, gives the recipe its world)
+    s = plan.shown.setup
+    # a DeepSpeed file of yours goes to the recipe as it is (its "auto" values are the recipe's to fill)
+    handed = config.replace(ds_config=par.ds_config or str(files["ds_config"]), output_dir=str(run_dir),
+                            gpu=request.gpu.name if cpu_ds_config is None else None,
+                            gpus=None, nodes=None, seq_len=s.seq_len, gradient_checkpointing=s.gradient_checkpointing,
+                            ep_size=s.ep_size if s.spec.is_moe else None)
+    recipe_args = [str(recipe.resolve()), *to_argv(handed, TRAIN), *req.recipe_args]
+    script = _batch_script(req, plan, handed, files, cpu=cpu_ds_config is not None,
+                           title=f"{preset} {arch}") if slurm else None
     keep = req.dry_run and not config.output.overwrite and any(path.exists() for path in files.values())
     if not keep:
-        files = write_plan_files(plan, run_dir)
+        files = {**write_plan_files(plan, run_dir), **({"batch_script": files["batch_script"]} if slurm else {})}
         if cpu_ds_config is not None:  # what the recipe runs on this CPU (fp32, its knobs), not the GPU plan's
             atomic_write_text(files["ds_config"], json.dumps(cpu_ds_config, indent=2) + "\n")
     main_ip = req.main_process_ip or (hosts[0][0] if hosts else None)
@@ -229,16 +249,11 @@ def plan_launch(req: LaunchRequest) -> Launch:
         acc["deepspeed_config"]["deepspeed_hostfile"] = str(Path(req.hostfile).expanduser().resolve())
     if not keep:
         files["accelerate_config"].write_text(to_yaml(acc))
+    if script is not None and not (keep and files["batch_script"].exists()):  # a new file overwrites nothing
+        atomic_write_text(files["batch_script"], script)
+        if keep:
+            notes.append(f"wrote {files['batch_script']}: it is new, so it replaced nothing")
 
-    # the recipe re-derives this plan: the user's options, the written DeepSpeed config, and the knobs
-    # that config cannot carry (the launcher, not a flag, gives the recipe its world)
-    s = plan.shown.setup
-    # a DeepSpeed file of yours goes to the recipe as it is (its "auto" values are the recipe's to fill)
-    handed = config.replace(ds_config=par.ds_config or str(files["ds_config"]), output_dir=str(run_dir),
-                            gpu=request.gpu.name if cpu_ds_config is None else None,
-                            gpus=None, nodes=None, seq_len=s.seq_len, gradient_checkpointing=s.gradient_checkpointing,
-                            ep_size=s.ep_size if s.spec.is_moe else None)
-    recipe_args = [str(recipe.resolve()), *to_argv(handed, TRAIN), *req.recipe_args]  # --collective-timeout too
     base = ["accelerate", "launch", "--config_file", str(files["accelerate_config"])]
     if hosts is None and config.faults.max_restarts:  # torchrun's elastic agent restarts the worker group
         base += ["--max_restarts", str(config.faults.max_restarts)]
@@ -247,7 +262,13 @@ def plan_launch(req: LaunchRequest) -> Launch:
                      "nothing (a failed rank stops every process of the run); relaunch with --resume, or launch "
                      "without --hostfile (torchrun on each node restarts)")
     deepspeed_command = None
-    if nodes == 1:
+    if slurm:
+        launcher = f"Slurm batch job (srun: accelerate's launcher on each of {nodes} node(s))"
+        commands = [["sbatch", str(files["batch_script"])]]
+        this_node = commands[0]
+        notes.append("the run folder must be on a filesystem every node shares" if nodes > 1 else
+                     "the job runs on the node Slurm gives it")
+    elif nodes == 1:
         launcher = "single-node"
         commands = [base + recipe_args]
         this_node = commands[0]
@@ -272,8 +293,63 @@ def plan_launch(req: LaunchRequest) -> Launch:
     if keep:
         notes.append(f"dry run: the configs already in {run_dir} were left as they are (--overwrite writes these)")
     return Launch(preset=preset, arch=arch, plan=plan, run_dir=run_dir, files=files, launcher=launcher,
-                  written=not keep,
+                  written=not keep, batch_script=files.get("batch_script"),
                   commands=commands, this_node=this_node, deepspeed_command=deepspeed_command, notes=notes)
+
+
+def _check_scheduler(req: LaunchRequest) -> bool:
+    """--scheduler slurm and its flags, consistent (before anything is written); True for a Slurm job."""
+    from adaptive.slurm.jobs import require_sbatch
+
+    sched = req.config.scheduler
+    if sched.scheduler != "slurm":
+        given = [name for name, value in (("--submit", sched.submit), ("--partition", sched.partition),
+                                          ("--account", sched.account), ("--qos", sched.qos),
+                                          ("--job-name", sched.job_name), ("--time", sched.time),
+                                          ("--requeue", sched.requeue), ("--cpus-per-task", sched.cpus_per_task))
+                 if value not in (None, False)]
+        if given:
+            raise AdaptiveError(f"{given[0]} is for a batch job: add --scheduler slurm")
+        return False
+    if req.hostfile or req.main_process_ip or req.machine_rank:
+        raise AdaptiveError("--scheduler slurm picks the nodes, their ranks and the main node: drop --hostfile, "
+                            "--main-process-ip and --machine-rank")
+    if sched.submit and req.dry_run:
+        raise AdaptiveError("--submit submits the job and --dry-run only writes it: give one of them")
+    if sched.submit:
+        require_sbatch()
+    return True
+
+
+def _batch_script(req: LaunchRequest, plan: Plan, handed: RunConfig, files: dict[str, Path], cpu: bool,
+                  title: str) -> str:
+    """RUN/job.sbatch's text: the job's resources from the plan, and the recipe's arguments for a first start,
+    for a requeued job's resume and for its start over."""
+    config, sched, out = req.config, req.config.scheduler, handed.output
+    gpus, nodes = config.hardware.gpus or 1, config.hardware.nodes or 1
+    shown = plan.shown
+    step_s = None if cpu else shown.throughput.step_seconds
+    run_s = None if cpu else (config.schedule.max_steps * step_s if config.schedule.max_steps else plan.hours * 3600)
+    resources = plan_job(nodes=nodes, processes=gpus, gpu=not cpu, run_s=run_s, step_s=step_s,
+                         params=plan.counts.total, checkpoint_every=out.checkpoint_every,
+                         host_bytes_per_node=0 if cpu else shown.memory.host_bytes_per_node,
+                         process_bytes=shown.memory.peak_gpu_bytes, data_workers=config.data.data_workers,
+                         time_pin=sched.time, cpus_per_task=sched.cpus_per_task)
+
+    def args(run: RunConfig) -> tuple[str, ...]:
+        return (str(Path(req.recipe).resolve()), *to_argv(run, TRAIN), *req.recipe_args)
+
+    resume = handed.replace(resume="auto", overwrite=False)
+    restart = handed if out.resume is not None else handed.replace(overwrite=True)  # the run's own folder
+    run_dir = Path(out.output_dir)
+    where = f"{nodes} node(s) x {gpus} {'CPU process(es)' if cpu else plan.request.gpu.name}"
+    return batch_script(BatchJob(
+        title=f"{title} on {where}",
+        job_name=sched.job_name or re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:64] or "adaptive",
+        resources=resources, run_dir=run_dir, workdir=Path.cwd(), python=sys.executable,
+        pythonpath=os.environ.get("PYTHONPATH") or None, accelerate_config=files["accelerate_config"],
+        main_port=req.main_process_port, fresh=args(handed), resume=args(resume), restart=args(restart), cpu=cpu,
+        requeue=sched.requeue, partition=sched.partition, account=sched.account, qos=sched.qos))
 
 
 def _require_a_checkpoint(resume: str, run_dir: Path) -> None:

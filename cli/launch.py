@@ -28,7 +28,8 @@ def launch(
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> int:
     """Plan a recipe's run, write ds_config.json, accelerate_config.yaml and plan.json, print the exact
-    launch command and run it. Run options go to the recipe; arguments after `--` go to it as they are."""
+    launch command and run it (--scheduler slurm: write the batch job RUN/job.sbatch; --submit submits it).
+    Run options go to the recipe; arguments after `--` go to it as they are."""
     from adaptive.launch import LaunchRequest, plan_launch, run_launch
 
     request = LaunchRequest(
@@ -43,6 +44,15 @@ def launch(
     else:
         _show(planned)
     if dry_run:
+        return 0
+    if planned.batch_script is not None:  # a Slurm job: submitted with --submit, else left for `sbatch`
+        if not config.scheduler.submit:
+            return 0
+        from adaptive.slurm.jobs import JOB_RECORD, submit
+
+        job_id = submit(planned.batch_script, planned.run_dir)
+        print(f"submitted Slurm job {job_id} (recorded in {planned.run_dir / JOB_RECORD}; "
+              f"`adaptive status {planned.run_dir}` shows it)")
         return 0
     return run_launch(planned)
 

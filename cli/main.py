@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str, dict]] = {
     "compare": ("cli.compare", "compare", {}),
     "measure": ("cli.measure", "measure", {}),
     "report": ("cli.report", "report", {}),
+    "status": ("cli.status", "status", {}),
     "export": ("cli.export", "export", {}),
     "scale": ("cli.scale", "scale", {}),
     "launch": ("cli.launch", "launch", {"context_settings": {"allow_extra_args": True,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import typing
 from dataclasses import field
 from typing import Any, Iterator
@@ -28,6 +29,7 @@ ESTIMATE = FIT_ONLY | {MEASURE}
 WORLD = PLANNING | {COMPARE}  # the world and the run's length, which `adaptive compare` also takes
 RUN = frozenset({LAUNCH, TRAIN})  # a training run's settings; launch hands them to the recipe
 SWEEP = RUN | {SCALE}  # what `adaptive scale` hands to every point's run
+LAUNCH_ONLY = frozenset({LAUNCH})  # how launch starts the run (a scheduler's batch job); never handed to the recipe
 
 
 @record
@@ -44,6 +46,7 @@ class Flag:
     maximum: float | None = None  # inclusive
     negative: str | None = None  # the flag that turns a bool off ("--no-checkpointing")
     bare: str | None = None  # the value of the flag given alone (`--resume` is `--resume auto`)
+    pattern: tuple[str, str] | None = None  # a string's (full-match regex, what it allows), for values a shell sees
     panel: str = ""  # the --help section, set from the dataclass
 
     @property
@@ -197,6 +200,10 @@ class ParallelismOptions:
     tp_size: int | None = option(
         None, "--tp-size", commands=PLANNING, minimum=1,
         help="Pin the AutoTP tensor-parallel size (DeepSpeed's autotp_size), within a node.")
+    pp_size: int | None = option(
+        None, "--pp-size", commands=PLANNING, minimum=1,
+        help="Pin the pipeline-parallel size (DeepSpeed's pipeline engine): the layers split into this many "
+             "stages; the micro-batches per step are the gradient accumulation steps; ZeRO-1 at most.")
     zero_hpz: int | None = option(
         None, "--zero-hpz", commands=PLANNING, minimum=1,
         help="Pin ZeRO++ hpZ (DeepSpeed's hpz partition size): a secondary ZeRO-3 parameter copy sharded over "
@@ -307,10 +314,49 @@ class FaultOptions:
              "(DeepSpeed's own; torch's is 30 minutes): above the longest honest wait, the barrier while the main "
              "process digests a large checkpoint.")
     max_restarts: int = option(
-        0, "--max-restarts", commands=frozenset({LAUNCH}), minimum=0,
+        0, "--max-restarts", commands=LAUNCH_ONLY, minimum=0,
         help="Restart every process up to N times when one fails (torchrun's elastic agent: accelerate launch "
              "--max_restarts); a restarted run resumes from its newest verified checkpoint. DeepSpeed's pdsh "
              "launcher (--hostfile) restarts nothing.")
+
+
+# What reaches an #SBATCH line: Slurm's own names (partition, account, QoS, job name) in plain characters.
+_SLURM_NAME = (r"[A-Za-z0-9_.-]{1,64}", "letters, digits and _.- (at most 64)")
+_SLURM_NAMES = (r"[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64}){0,15}", "comma-separated names of letters, digits and _.-")
+# Slurm's time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
+_SLURM_TIME = (r"\d{1,6}(:\d{1,2}){0,2}|\d{1,4}-\d{1,2}(:\d{1,2}){0,2}",
+               "a Slurm time: MINUTES, HH:MM:SS or DAYS-HH[:MM[:SS]]")
+
+
+@record
+class SchedulerOptions:
+    """A batch job for a cluster's scheduler: `adaptive launch --scheduler slurm` writes RUN/job.sbatch."""
+
+    scheduler: str = option(
+        "none", "--scheduler", commands=LAUNCH_ONLY, choices=("none", "slurm"),
+        help="slurm: write RUN/job.sbatch (nodes, GPUs, CPUs, memory and time from the plan; srun starts one "
+             "launcher per node) instead of running the launcher here; --submit submits it.")
+    submit: bool = option(False, "--submit", commands=LAUNCH_ONLY,
+                          help="With --scheduler slurm: submit the job with sbatch and record its id in "
+                               "RUN/slurm_job.json (`adaptive status RUN` shows it).")
+    partition: str | None = option(None, "--partition", commands=LAUNCH_ONLY, pattern=_SLURM_NAMES,
+                                   help="Slurm partition(s) of the job.")
+    account: str | None = option(None, "--account", commands=LAUNCH_ONLY, pattern=_SLURM_NAME,
+                                 help="Slurm account charged for the job.")
+    qos: str | None = option(None, "--qos", commands=LAUNCH_ONLY, pattern=_SLURM_NAME, help="Slurm QoS of the job.")
+    job_name: str | None = option(None, "--job-name", commands=LAUNCH_ONLY, pattern=_SLURM_NAME,
+                                  help="Slurm job name (default: PRESET_ARCH).")
+    time: str | None = option(
+        None, "--time", commands=LAUNCH_ONLY, pattern=_SLURM_TIME,
+        help="Cap the job's time limit (e.g. your partition's, 2-00:00:00); default: the plan's predicted time "
+             "+25% and 15 min to start. A run longer than it checkpoints at the limit (--requeue: and continues).")
+    requeue: bool = option(
+        False, "--requeue", commands=LAUNCH_ONLY,
+        help="Requeue the job when preempted or when it reaches its time limit unfinished; a requeued job resumes "
+             "from the run's newest complete checkpoint.")
+    cpus_per_task: int | None = option(
+        None, "--cpus-per-task", commands=LAUNCH_ONLY, minimum=1,
+        help="CPUs of each node's launcher and its processes (default: per process, 1 + its data workers).")
 
 
 PANELS = {  # section -> its --help panel
@@ -318,7 +364,7 @@ PANELS = {  # section -> its --help panel
     "quality": "Quality and budget",
     "parallelism": "Knobs (pin what the planner would choose)", "checkpointing": "Knobs (pin what the planner would choose)",
     "optimizer": "Optimization", "orchestrator": "Orchestrator", "output": "Output, checkpoints, logs",
-    "faults": "Faults and restarts",
+    "faults": "Faults and restarts", "scheduler": "Scheduler (Slurm)",
 }
 
 
@@ -337,6 +383,7 @@ class RunConfig:
     orchestrator: OrchestratorOptions = field(default_factory=OrchestratorOptions)
     output: OutputOptions = field(default_factory=OutputOptions)
     faults: FaultOptions = field(default_factory=FaultOptions)
+    scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
 
     @classmethod
     def from_options(cls, values: dict[str, Any]) -> RunConfig:
@@ -389,6 +436,8 @@ def check(flag: Flag, value: Any) -> None:
                 raise AdaptiveError(f"{flag.name} takes a comma-separated list of {', '.join(flag.choices)}, got "
                                     f"{item.strip()!r}" + (f"; did you mean {near}?" if near else ""))
         return
+    if flag.pattern is not None and isinstance(value, str) and not re.fullmatch(flag.pattern[0], value):
+        raise AdaptiveError(f"{flag.name} takes {flag.pattern[1]}, got {value!r}")
     if flag.choices is not None and value not in flag.choices:
         raise AdaptiveError(f"{flag.name} must be one of {', '.join(flag.choices)}, got {value!r}")
     if not isinstance(value, (int, float)):
@@ -424,5 +473,5 @@ def to_argv(config: RunConfig, command: str = TRAIN) -> list[str]:
     return argv
 
 
-__all__ = ["COMPARE", "ESTIMATE", "FIT", "FIT_ONLY", "Flag", "LAUNCH", "MEASURE", "PLANNING", "RUN", "RunConfig",
+__all__ = ["COMPARE", "ESTIMATE", "FIT", "FIT_ONLY", "Flag", "LAUNCH", "LAUNCH_ONLY", "MEASURE", "PLANNING", "RUN", "RunConfig",
            "SCALE", "SHAPE", "SWEEP", "TRAIN", "WORLD", "check", "option", "options_for", "run_fields", "to_argv"]

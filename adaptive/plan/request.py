@@ -55,7 +55,8 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
                  ds_config: str | None = None, kernels: str | None = None,
                  checkpoint_policy: str | None = None, sp_size: int | None = None, tp_size: int | None = None,
                  zero_hpz: int | None = None, zero_quantize: str | None = None, loss_law: str | None = None,
-                 dataset_tokens: float | None = None, lr: float | None = None) -> FitRequest:
+                 dataset_tokens: float | None = None, lr: float | None = None,
+                 pp_size: int | None = None) -> FitRequest:
     """`kernels` None: "lean" for adaptive's models, "plain" for a config.json transformers' class trains."""
     require_positive("--host-mem", host_mem_gib)
     spec = resolve_model(model, arch, mod_capacity)
@@ -64,13 +65,14 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
     optimizer = check_optimizer(optimizer) if optimizer else None
     ds = None
     if ds_config:
-        from adaptive.plan.ds_config.reader import merge_ds_pins, merge_parallel_pins, read
+        from adaptive.plan.ds_config.reader import merge_ds_pins, merge_parallel_pins, merge_pp_pin, read
 
         ds = read(ds_config, spec.hidden_size)
         merged = merge_ds_pins(ds, zero=zero, offload=offload, micro_batch=micro_batch, grad_accum=grad_accum,
                                optimizer=optimizer, global_batch_tokens=global_batch_tokens, seq_len=seq_len)
         zero, offload, micro_batch, grad_accum, optimizer, global_batch_tokens = merged
         sp_size, tp_size, zero_hpz, zero_quantize = merge_parallel_pins(ds, sp_size, tp_size, zero_hpz, zero_quantize)
+        pp_size = merge_pp_pin(ds, pp_size)
     activations, run, source = None, None, None
     if calibrate:
         from adaptive.plan.estimate.calibration import load as load_calibration
@@ -96,7 +98,7 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         kernels=kernels or default_kernels(spec),
         checkpointing=checkpoint_policy,
         calibration_source=source,
-        sp_size=sp_size, tp_size=tp_size, zero_hpz=zero_hpz,
+        sp_size=sp_size, tp_size=tp_size, pp_size=pp_size, zero_hpz=zero_hpz,
         zero_quantized_weights=None if zero_quantize is None else zero_quantize in ("weights", "both"),
         zero_quantized_gradients=None if zero_quantize is None else zero_quantize in ("gradients", "both"),
         loss_model=resolve_law(loss_law), unique_tokens=dataset_tokens, lr=lr,
@@ -144,4 +146,4 @@ def request_from_config(config: RunConfig, *, model: str = "b7", calibrate: str 
         optimizer=config.optimizer.optimizer, attention=m.attention, ds_config=par.ds_config,
         kernels=m.kernels, checkpoint_policy=config.checkpointing.checkpoint_policy, sp_size=par.sp_size,
         tp_size=par.tp_size, zero_hpz=par.zero_hpz, zero_quantize=par.zero_quantize, loss_law=config.quality.loss_law,
-        dataset_tokens=config.quality.dataset_tokens, lr=config.optimizer.lr)
+        dataset_tokens=config.quality.dataset_tokens, lr=config.optimizer.lr, pp_size=par.pp_size)

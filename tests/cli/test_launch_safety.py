@@ -89,8 +89,8 @@ def test_a_dry_run_leaves_an_existing_run_folder_alone_unless_asked(tmp_path):
 
 
 @pytest.mark.parametrize("extra, line", [
-    (["--scheduler", "slurm"],
-     "error: --scheduler is an option of neither adaptive launch nor recipes/b1_mod.py (adaptive launch --help lists "
+    (["--exclusive"],  # an sbatch flag, not one of launch's Slurm options
+     "error: --exclusive is an option of neither adaptive launch nor recipes/b1_mod.py (adaptive launch --help lists "
      "them)"),
     (["--", "--max-step", "4"],
      "error: --max-step is an option of neither adaptive launch nor recipes/b1_mod.py (nearest: --max-steps)"),

@@ -662,21 +662,25 @@ def _progress_info(metrics: dict[str, Any] | None) -> str | None:
     return f"loss {metrics['loss']:.3f}" if metrics else None
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption; Slurm's `--signal=USR1@SECONDS` before a time limit
+
+
 class _stop_on_sigterm:
-    """SIGTERM (what schedulers send before preemption) sets the stop flag: the loop checkpoints
-    after the current step and returns. Installed only in the main thread."""
+    """SIGTERM (what schedulers send before preemption) and SIGUSR1 (what Slurm's --signal sends before
+    the time limit) set the stop flag: the loop checkpoints after the current step and returns.
+    Installed only in the main thread."""
 
     def __init__(self, event: threading.Event) -> None:
         self.event = event
-        self.previous: Any = None
+        self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> None:
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGTERM, lambda *_: self.event.set())
+            self.previous = {sig: signal.signal(sig, lambda *_: self.event.set()) for sig in STOP_SIGNALS}
 
     def __exit__(self, *exc: Any) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+        for sig, previous in self.previous.items():
+            signal.signal(sig, previous)
 
 
 __all__ = ["EXPORT_REQUEST", "FINAL_EXPORT", "Loop", "LoopSettings", "STOP_REQUEST", "apply_knob_changes",
