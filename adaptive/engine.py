@@ -320,7 +320,20 @@ def moe_timer_seconds(layers: list[Any]) -> tuple[float, float]:
     return a2a, sum(getattr(layer, MOE_TIMER) for layer in layers) / 1000.0
 
 
+def collective_failure(err: BaseException) -> bool:
+    """A failure of the process group rather than of this rank's own work: torch's c10d errors (NCCL), or gloo's
+    RuntimeError from its transport (a peer's closed connection, a timed-out receive)."""
+    import torch.distributed as dist
+
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(mark in text for mark in (
+        "gloo/transport", "Connection closed by peer", "Connection reset by peer", "Timed out waiting", "NCCL"))
+
+
 __all__ = ["A2A_TIMERS", "CHECKPOINT_CLASSES", "DEEPSPEED_VERSION_READ", "checkpoint_classes", "INTERNALS", "MOE_TIMER",
+           "collective_failure",
            "discard_gradients", "expert_group_line", "expert_parallel_rank", "name_cpu_accelerator", "prints_held",
            "shm_comm_op_built_line",
            "moe_layers_with_timers", "moe_param_groups", "moe_timer_seconds", "reported_grad_norm",

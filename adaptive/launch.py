@@ -255,6 +255,12 @@ def plan_launch(req: LaunchRequest) -> Launch:
             notes.append(f"wrote {files['batch_script']}: it is new, so it replaced nothing")
 
     base = ["accelerate", "launch", "--config_file", str(files["accelerate_config"])]
+    if hosts is None and config.faults.max_restarts:  # torchrun's elastic agent restarts the worker group
+        base += ["--max_restarts", str(config.faults.max_restarts)]
+    elif config.faults.max_restarts:
+        notes.append(f"--max-restarts {config.faults.max_restarts} is not applied: DeepSpeed's pdsh launcher restarts "
+                     "nothing (a failed rank stops every process of the run); relaunch with --resume, or launch "
+                     "without --hostfile (torchrun on each node restarts)")
     deepspeed_command = None
     if slurm:
         launcher = f"Slurm batch job (srun: accelerate's launcher on each of {nodes} node(s))"

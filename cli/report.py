@@ -49,6 +49,8 @@ def report(run_dir: RunDir, out: Out = None) -> None:
     if s["mod_skip_last"] is not None:
         table.add_row("MoD skip rate", num(s["mod_skip_last"], "{:.3f}"))
     table.add_row("skipped steps, rollbacks", f"{s['skipped_steps'] or 0}, {s['rollbacks']}")
+    for label in s["restarts"]:
+        table.add_row("restart", label)
     for policy, actions in s["decisions"].items():
         table.add_row(f"orchestrator: {policy}", ", ".join(f"{a} x{n}" for a, n in actions.items()))
     state = s["orchestrator"]

@@ -303,6 +303,23 @@ class OutputOptions:
              "options; tensorboard and wandb write under OUTPUT_DIR/trackers/.")
 
 
+@record
+class FaultOptions:
+    """What a dead or hung process costs: the collective timeout and the launcher's restarts."""
+
+    collective_timeout: float = option(
+        600.0, "--collective-timeout", commands=RUN, above=0.0, maximum=86400.0,
+        help="Seconds a process waits in one collective (all-reduce, barrier) for the other ranks before it stops, "
+             "naming the rank it waited for; given to the process group DeepSpeed and accelerate create. Default 600 "
+             "(DeepSpeed's own; torch's is 30 minutes): above the longest honest wait, the barrier while the main "
+             "process digests a large checkpoint.")
+    max_restarts: int = option(
+        0, "--max-restarts", commands=LAUNCH_ONLY, minimum=0,
+        help="Restart every process up to N times when one fails (torchrun's elastic agent: accelerate launch "
+             "--max_restarts); a restarted run resumes from its newest verified checkpoint. DeepSpeed's pdsh "
+             "launcher (--hostfile) restarts nothing.")
+
+
 # What reaches an #SBATCH line: Slurm's own names (partition, account, QoS, job name) in plain characters.
 _SLURM_NAME = (r"[A-Za-z0-9_.-]{1,64}", "letters, digits and _.- (at most 64)")
 _SLURM_NAMES = (r"[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64}){0,15}", "comma-separated names of letters, digits and _.-")
@@ -347,7 +364,7 @@ PANELS = {  # section -> its --help panel
     "quality": "Quality and budget",
     "parallelism": "Knobs (pin what the planner would choose)", "checkpointing": "Knobs (pin what the planner would choose)",
     "optimizer": "Optimization", "orchestrator": "Orchestrator", "output": "Output, checkpoints, logs",
-    "scheduler": "Scheduler (Slurm)",
+    "faults": "Faults and restarts", "scheduler": "Scheduler (Slurm)",
 }
 
 
@@ -365,6 +382,7 @@ class RunConfig:
     optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
     orchestrator: OrchestratorOptions = field(default_factory=OrchestratorOptions)
     output: OutputOptions = field(default_factory=OutputOptions)
+    faults: FaultOptions = field(default_factory=FaultOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
 
     @classmethod

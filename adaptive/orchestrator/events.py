@@ -13,6 +13,11 @@
                       decisions {policy: {action: count}}, and each policy's own summary under
                       its name.
 
+    kind "fault"      a rank failed (written by the training loop, orchestrator on or off): rank,
+                      step, phase, reason, restart (the launcher's restart count), reported_by
+    kind "restart"    a restarted worker group took over: restart, step (where it resumed), checkpoint
+                      (None: no complete checkpoint yet, started afresh). Neither is ever removed.
+
     kind "resume"     where a resumed run took over: step (the checkpoint's), time, checkpoint,
                       dropped (how many records of the steps after it were removed)
 
@@ -45,6 +50,7 @@ from adaptive.orchestrator.contract import Control, TrainerState
 logger = logging.getLogger(__name__)
 
 EVENTS_FILE = "events.jsonl"
+HISTORY = ("fault", "restart")  # records no resume removes
 
 
 def _clean(value: Any) -> Any:
@@ -119,6 +125,8 @@ class EventLog:
                 if r.get("step", 0) > step:
                     break
                 kept.append(r)
+        # a failure and the restart after it happened, whatever the run redoes (adaptive.train.run.faults)
+        kept += [r for r in records if r.get("kind") in HISTORY and r not in kept]
         for r in kept:  # the end summary counts the whole run's decisions
             if r.get("kind") == "decision":
                 self._counts.setdefault(r["policy"], Counter())[r["action"]] += 1

@@ -3,7 +3,9 @@
 Panels (each axes carries its title, so a test or a user can find it):
 
     "Loss and perplexity"            training loss and eval loss (left), perplexity (right); the
-                                     OOM ladder's and the guard's decisions as vertical lines
+                                     OOM ladder's and the guard's decisions as vertical lines, and
+                                     each restart after a failed rank (events.jsonl "fault" and
+                                     "restart" records) as a line at the step it resumed from
     "Expert load, MoE layer i"       one heatmap per MoE layer: share of the routes each expert got
                                      in each logged interval (columns: logged steps), up to
                                      MAX_HEATMAPS layers, evenly picked
@@ -45,6 +47,7 @@ class RunData:
     end: dict[str, Any] | None
     decisions: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] | None = None
+    restarts: list[dict[str, Any]] = field(default_factory=list)  # {restart, step, checkpoint, fault (or None)}
     skipped_lines: int = 0  # lines of metrics.jsonl / events.jsonl that were not records of the right shape
 
     @property
@@ -86,7 +89,26 @@ def load_run(run_dir: str | Path) -> RunData:
                    evals=[evals_by_step[s] for s in sorted(evals_by_step)],
                    rollbacks=[r for r in records if r.get("kind") == "rollback"], end=ends[-1] if ends else None,
                    decisions=[e for e in events if e.get("kind") == "decision"],
-                   summary=summaries[-1] if summaries else None, skipped_lines=skipped + skipped_events)
+                   summary=summaries[-1] if summaries else None, restarts=restarts(events),
+                   skipped_lines=skipped + skipped_events)
+
+
+def restarts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each restart, with the failure before it (the last fault record of the attempt it replaced)."""
+    out, fault = [], None
+    for e in events:
+        if e.get("kind") == "fault":
+            fault = e
+        elif e.get("kind") == "restart":
+            out.append({**e, "fault": fault})
+            fault = None
+    return out
+
+
+def restart_label(restart: dict[str, Any]) -> str:
+    fault = restart.get("fault")
+    why = f": rank {fault.get('rank')} {fault.get('reason')}" if fault else ""
+    return f"restart {restart.get('restart')} from step {restart.get('step')}{why}"
 
 
 def _shape(value: Any) -> tuple[int, ...]:
@@ -159,6 +181,10 @@ def _loss_panel(ax: Any, run: RunData, steps: list[int]) -> None:
         ax.axvline(event["step"], color="tab:red", alpha=0.35, linestyle="--")
         ax.annotate(f"{event['policy']}: {event['action']}", (event["step"], 1.0), xycoords=("data", "axes fraction"),
                     rotation=90, fontsize=7, va="top", ha="right", color="tab:red")
+    for restart in run.restarts:
+        ax.axvline(restart["step"], color="black", alpha=0.5, linestyle=":")
+        ax.annotate(restart_label(restart)[:80], (restart["step"], 0.0), xycoords=("data", "axes fraction"),
+                    rotation=90, fontsize=7, va="bottom", ha="right", color="black")
     lines = ax.get_legend_handles_labels()
     more = twin.get_legend_handles_labels()
     ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper right", fontsize=8)
@@ -256,6 +282,7 @@ def run_summary(run: RunData) -> dict[str, Any]:
         "max_vio_first": first.get("max_vio_max"), "max_vio_last": last.get("max_vio_max"),
         "dropped_last": _mean(last.get("dropped_fraction")), "mod_skip_last": _mean(last.get("mod_skip_rate")),
         "skipped_steps": last.get("skipped_steps"), "rollbacks": len(run.rollbacks),
+        "restarts": [restart_label(r) for r in run.restarts],
         "decisions": {}, "finished": run.end is not None,
         "orchestrator": (run.start or {}).get("orchestrator"),  # {requested, enabled, reason}
         "skipped_lines": run.skipped_lines,
@@ -288,4 +315,4 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> tuple[Pa
 
 
 __all__ = ["FIGSIZE", "DPI", "LINE_POLICIES", "REPORT_FILE", "RunData", "build_figure", "heatmap_layers", "load_run",
-           "load_shares", "run_summary", "write_report"]
+           "load_shares", "restart_label", "restarts", "run_summary", "write_report"]

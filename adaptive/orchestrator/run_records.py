@@ -59,7 +59,18 @@ def _models() -> dict[str, type]:
     class Summary(Record):
         ep: Optional[dict[str, Any]] = None
 
-    _MODELS = {"train": Train, "eval": Eval, "decision": Decision, "start": Start, "summary": Summary}
+    count = Annotated[int, Field(strict=True, ge=0)]
+
+    class Fault(Record):
+        rank: count
+        step: Optional[count] = None
+
+    class Restart(Record):
+        step: step
+        restart: count
+
+    _MODELS = {"train": Train, "eval": Eval, "decision": Decision, "start": Start, "summary": Summary,
+               "fault": Fault, "restart": Restart}
     return _MODELS
 
 

@@ -8,6 +8,7 @@ on (`--orchestrator on`, or auto and the plan recommends it). This package impor
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,24 +32,28 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
     from adaptive.train.run import setup
     from adaptive.train.data.sources import check_local_rows
     from adaptive.train.reporting.display import configure_logging
+    from adaptive.train.run.restart import start_mode
     from adaptive.train.run.runplan import World, check_with_deepspeed, detect_device, launcher_world, plan_run
 
     out = config.output
     output_dir = run_dir(config, preset, arch)
     if out.resume and out.overwrite:
         raise AdaptiveError("--resume continues the run in --output-dir and --overwrite deletes it; give one of them")
-    check_fresh_start(output_dir, out.resume, out.overwrite)  # every rank, before anything is written
+    # a worker the launcher restarted resumes its own run folder (restart.py)
+    mode = start_mode(out.resume, out.overwrite, output_dir)
+    if mode.check_fresh:
+        check_fresh_start(output_dir, mode.resume, mode.overwrite)  # every rank, before anything is written
     check_local_rows(config.data.dataset, config.data.text_field)  # a bad row: one line before anything starts
     trackers = resolve_trackers(out.report_to)  # an uninstalled tracker: one line, too
-    partial = setup.init_distributed()
+    partial = setup.init_distributed(config.faults.collective_timeout)
     configure_logging(partial.is_main_process)
     world = World(partial.num_processes, min(launcher_world().per_node, partial.num_processes))
     plan = plan_run(config, preset, arch, world, detect_device(config.hardware.gpu))
     check_with_deepspeed(plan.ds_config, world.size)  # a config DeepSpeed refuses: one line, nothing written
-    lock, resume_from = claim_run_folder(partial, output_dir, out.resume, out.overwrite)
+    lock, resume_from = claim_run_folder(partial, output_dir, mode.resume, mode.overwrite)
     try:
         return _train(config, preset, arch, callbacks, plugins, partial, plan, world, output_dir, resume_from,
-                      trackers)
+                      trackers, mode.restart)
     finally:
         if lock is not None:
             lock.release()
@@ -93,7 +98,7 @@ def claim_run_folder(partial: Any, output_dir: Path, resume: str | None,
 
 def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | None,
            plugins: Callable[[], list[Any]] | None, partial: Any, plan: Any, world: Any, output_dir: Path,
-           resume_from: Path | None, trackers: list[str]) -> TrainerState:
+           resume_from: Path | None, trackers: list[str], restart: int = 0) -> TrainerState:
     from accelerate.logging import get_logger
     from accelerate.utils import set_seed
 
@@ -101,6 +106,8 @@ def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] 
     from adaptive.train.run import setup
     from adaptive.train.run.loop import Loop, LoopSettings, restore, set_peak_lr, train, write_run_files
     from adaptive.train.reporting.metrics import MetricsWriter
+    from adaptive.train.run.faults import append_event
+    from adaptive.train.run.faults import guarded
 
     main_process = partial.is_main_process
     logger = get_logger(__name__)
@@ -155,8 +162,15 @@ def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] 
                    "callbacks": [type(c).__name__ for c in chain.callbacks]})
     state.trackers = metrics.sink = tracking.start(accelerator, output_dir, {**plan.summary(), **counts}, config.flat(),
                                                    state.step if state.resumed_from else None)
+    if restart and main_process:
+        logger.warning("restart %d: %s", restart, f"resumed from {resume_from} at step {state.step}" if resume_from
+                       else "no complete checkpoint yet, started afresh")
+        append_event(output_dir, {"kind": "restart", "restart": restart, "step": state.step, "time": time.time(),
+                                  "checkpoint": str(resume_from) if resume_from else None})
     try:
-        train(state, loop)
+        with guarded(output_dir, accelerator.process_index, world.size, restart, loop.progress,
+                     config.faults.collective_timeout):
+            train(state, loop)
     except BaseException:
         tracking.finish(accelerator)  # the trackers keep what was logged; the error goes on
         raise

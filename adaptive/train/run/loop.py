@@ -49,6 +49,7 @@ from adaptive.train.data.batches import SampleIterator, eval_batches
 from adaptive.train.reporting.display import ProgressDisplay
 from adaptive.train.reporting.metrics import IntervalMeter, MetricsWriter, StepStats, cuda_memory, train_record
 from adaptive.train.run.runplan import RunPlan, ds_config_for_knobs, replan_for_knobs, with_knobs
+from adaptive.train.run.watchdog import Progress
 
 logger = get_logger(__name__)
 
@@ -85,6 +86,7 @@ class Loop:
     samples: SampleIterator | None = None  # what train() draws from; its committed state goes into checkpoints
     sequence_shards: Any = None  # sequence_parallel.SequenceShards under Ulysses (sp_size > 1), else None
     data_state: dict[str, Any] | None = None  # this rank's data state read by restore(), for the next SampleIterator
+    progress: Progress = field(default_factory=Progress)  # step and phase, for the watchdog (watchdog.py)
 
 
 @dataclass
@@ -120,7 +122,8 @@ def train(state: TrainerState, loop: Loop) -> TrainerState:
             maybe_checkpoint(state, control, loop, requests.checkpoint or requests.stop)
             maybe_export(state, loop, requests.export)
             if requests.rollback:
-                rollback(state, loop)
+                with loop.progress.during("checkpoint"):
+                    rollback(state, loop)
                 samples = loop.samples = SampleIterator(loop.data.train, state.samples_seen, loop.data_state)
                 meter = IntervalMeter(loop.device)  # the rolled-back steps' partial interval is void
             if control.lr_scale is not None:  # after a rollback, which restores the checkpoint's scale
@@ -141,11 +144,13 @@ def step_once(state: TrainerState, control: Control, loop: Loop, samples: Sample
     """One optimizer step with its callbacks, committed and logged; the requests agreed at its end
     (bench/bench_orchestrator.py times exactly this)."""
     apply_knob_changes(state, control, loop)
+    loop.progress.step_begins(state.step + 1)
     loop.callbacks.on_step_start(state, control)
     step_batch = samples.next_batch(state.knobs.samples_per_step)
     started = time.perf_counter()
     stats = run_step(state, control, loop, step_batch)
     commit_step(state, samples)
+    loop.progress.step_done()
     meter.add(stats, time.perf_counter() - started, state.tokens_per_step)
     metrics = maybe_log(state, loop, meter)
     loop.callbacks.on_step_end(state, control, metrics=metrics)
@@ -184,20 +189,24 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
     micro_batches = step_micro_batches(step_batch, state.knobs, loop)
     count = len(micro_batches)  # the accumulation; sp x that under Ulysses (every SP rank's micro-batches in turn)
     stats = StepStats.zeros(loop.device)
+    progress = loop.progress
     for i, batch in enumerate(micro_batches):
         state.micro_step = i
+        progress.phase = "forward"
         batch = {k: v.to(loop.device, non_blocking=True) for k, v in batch.items()}
         engine.set_gradient_accumulation_boundary(i == count - 1)
         # Without the logits (tokens x vocab, 16-bit): nothing reads them after the loss, and holding
         # them through backward costs memory the plan does not count (adaptive measure holds the same).
         outputs = replace(engine(**batch, **_loss_count(batch, loop)), logits=None)
         loss = outputs.loss
+        progress.phase = "backward"
         engine.backward(loss / count, scale_wrt_gas=False)
         if loop.sequence_shards is not None:  # this shard's part of the sequence's loss: log the whole
             loss = loop.sequence_shards.group_loss(loss)
         stats.add(outputs, loss)
         loop.callbacks.on_backward_end(state, control, outputs=outputs, loss=loss.detach(), batch=batch)
         del outputs, loss
+    progress.phase = "optimizer"
     skip = agree_any(state, [control.skip_step], extra=~stats.finite())[0]
     control.skip_step = False
     log_step = _is_log_step(state.step + 1, loop)
@@ -296,6 +305,11 @@ def evaluate(state: TrainerState, control: Control, loop: Loop) -> dict[str, Any
     """Token-weighted LM loss (aux losses excluded) over this rank's eval blocks, reduced over ranks.
     Whole blocks (the block length) whatever seq_len is in force: no gradients are kept, and the
     loss stays comparable across the run."""
+    with loop.progress.during("eval"):
+        return _evaluate(state, control, loop)
+
+
+def _evaluate(state: TrainerState, control: Control, loop: Loop) -> dict[str, Any]:
     engine = state.model
     batches = list(eval_batches(loop.data.eval, state.knobs.micro_batch_size))
     count = agree_min(state, len(batches))  # every rank runs the same forwards (collectives inside)
@@ -331,6 +345,11 @@ def maybe_checkpoint(state: TrainerState, control: Control, loop: Loop, requeste
 
 
 def save(state: TrainerState, control: Control, loop: Loop) -> Path:
+    with loop.progress.during("checkpoint"):
+        return _save(state, control, loop)
+
+
+def _save(state: TrainerState, control: Control, loop: Loop) -> Path:
     from accelerate.utils import gather_object
 
     require_finite_weights(state, "checkpointed")
@@ -361,6 +380,11 @@ def maybe_export(state: TrainerState, loop: Loop, requested: bool) -> Path | Non
 
 
 def export(state: TrainerState, loop: Loop, target: Path) -> Path:
+    with loop.progress.during("export"):
+        return _export(state, loop, target)
+
+
+def _export(state: TrainerState, loop: Loop, target: Path) -> Path:
     require_finite_weights(state, "exported")
     meta = {"step": state.step, "tokens_seen": state.tokens_seen, "preset": loop.run.preset, "arch": loop.run.arch,
             "knobs": state.knobs.as_dict()}

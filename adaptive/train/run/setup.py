@@ -55,8 +55,14 @@ def ensure_process_group_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(port))
 
 
-def init_distributed() -> Any:
-    """accelerate's PartialState on DeepSpeed's process group (nccl on GPUs, gloo on a CPU)."""
+def init_distributed(collective_timeout: float | None = None) -> Any:
+    """accelerate's PartialState on DeepSpeed's process group (nccl on GPUs, gloo on a CPU). `collective_timeout`
+    (--collective-timeout, seconds): how long a collective waits for the other ranks. PartialState hands its
+    keyword arguments to deepspeed.comm.init_distributed (accelerate/state.py, PartialState.__init__), whose
+    `timeout` goes to torch's init_process_group (deepspeed/comm/torch.py, TorchBackend.init_process_group);
+    DeepSpeed's own default is 10 minutes (deepspeed/constants.py default_pg_timeout), NCCL's 30."""
+    from datetime import timedelta
+
     from accelerate import PartialState
 
     from adaptive.engine import prints_held, shm_comm_op_built_line, shm_comm_op_to_build
@@ -66,8 +72,10 @@ def init_distributed() -> Any:
     # DeepSpeed's ZeRO gathers (deepspeed/comm/torch.py) call it, deprecated in torch 2.13: not the user's to fix
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
                             category=FutureWarning)
+    timeout = {} if collective_timeout is None else {"timeout": timedelta(seconds=collective_timeout)}
+    restart_scoped_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout.get("timeout"))
     if torch.cuda.is_available():
-        return PartialState()
+        return PartialState(**timeout)
     op = shm_comm_op_to_build()
     if op and os.environ["RANK"] == "0":  # a silent minute or two otherwise; plain logging: accelerate's needs
         logging.getLogger(__name__).warning(  # the state made below
@@ -76,7 +84,27 @@ def init_distributed() -> Any:
     with contextlib.nullcontext() if op else prints_held(shm_comm_op_built_line):
         # Without CUDA, accelerate picks no backend for DeepSpeed and then counts one process per rank;
         # naming gloo makes it read the world from the process group DeepSpeed initialises.
-        return PartialState(backend="gloo")
+        return PartialState(backend="gloo", **timeout)
+
+
+def restart_scoped_process_group(backend: str, timeout: Any) -> None:
+    """On a restarted worker (TORCHELASTIC_RESTART_COUNT > 0), create the default process group over keys of
+    this attempt alone; DeepSpeed and accelerate then wrap it (deepspeed/comm/torch.py creates a group only
+    when none exists). torchrun's agent keeps one store across restarts and torch keys the group's
+    rendezvous by its name only, so a restarted gloo rank can read the dead attempt's addresses and fail to
+    connect (measured: `Gloo connectFullMesh failed ... Connection refused`, plain torch and DeepSpeed alike)."""
+    from adaptive.train.run.restart import restart_count
+
+    attempt = restart_count({"TORCHELASTIC_RESTART_COUNT": os.environ.get("TORCHELASTIC_RESTART_COUNT", "")})
+    if attempt == 0 or torch.distributed.is_initialized():
+        return
+    import torch.distributed as dist
+
+    extra = {} if timeout is None else {"timeout": timeout}
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store, rank, world_size = next(dist.rendezvous("env://", rank, world_size, **extra))  # the agent's store
+    dist.init_process_group(backend, store=dist.PrefixStore(f"adaptive/restart_{attempt}", store), rank=rank,
+                            world_size=world_size, **extra)
 
 
 def make_accelerator(run: RunPlan, trackers: list[str] | None = None, output_dir: Path | None = None) -> Any:
@@ -257,4 +285,5 @@ def peak_lr(lr: float | None, preset: str) -> float:
 
 __all__ = ["ADAM_BETAS", "ADAM_EPS", "DEFAULT_LR", "Data", "build_model", "build_optimizer", "build_scheduler",
            "default_warmup", "ensure_process_group_env", "init_distributed", "load_data", "make_accelerator",
+           "restart_scoped_process_group",
            "param_groups", "peak_lr", "quiet_libraries", "reinit_local_experts", "resolve_dataset"]

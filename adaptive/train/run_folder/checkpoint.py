@@ -166,6 +166,10 @@ def save_checkpoint(accelerator: Any, output_dir: Path, step: int, trainer_state
             atomic_write_text(root / LATEST, name + "\n")
             prune_checkpoints(root, keep)
     except (OSError, RuntimeError) as err:  # torch.save's writer reports a full disk as a RuntimeError
+        from adaptive.engine import collective_failure
+
+        if collective_failure(err):  # another rank failed while this one wrote: the fault handler names it
+            raise
         shutil.rmtree(tmp, ignore_errors=True)
         newest = read_latest(root)
         reason = os_reason(err) if isinstance(err, OSError) else str(err).strip().splitlines()[-1][:200]

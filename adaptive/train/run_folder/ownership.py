@@ -23,7 +23,7 @@ from adaptive.errors import AdaptiveError
 
 LOCK_FILE = ".adaptive.lock"
 RUN_FILES = ("metrics.jsonl", "events.jsonl", "report.png")  # what a run writes as it trains
-RUN_FOLDERS = ("checkpoints", "hf", "trackers")  # and hf-step_N/
+RUN_FOLDERS = ("checkpoints", "hf", "trackers", "faults")  # and hf-step_N/
 
 
 def run_files(folder: Path) -> list[str]:
