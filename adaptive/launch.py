@@ -323,8 +323,7 @@ def _check_scheduler(req: LaunchRequest) -> bool:
 
 def _batch_script(req: LaunchRequest, plan: Plan, handed: RunConfig, files: dict[str, Path], cpu: bool,
                   title: str) -> str:
-    """RUN/job.sbatch's text: the job's resources from the plan, and the recipe's arguments for a first start,
-    for a requeued job's resume and for its start over."""
+    """RUN/job.sbatch's text: the job's resources from the plan, and the recipe's arguments."""
     config, sched, out = req.config, req.config.scheduler, handed.output
     gpus, nodes = config.hardware.gpus or 1, config.hardware.nodes or 1
     shown = plan.shown
@@ -339,8 +338,6 @@ def _batch_script(req: LaunchRequest, plan: Plan, handed: RunConfig, files: dict
     def args(run: RunConfig) -> tuple[str, ...]:
         return (str(Path(req.recipe).resolve()), *to_argv(run, TRAIN), *req.recipe_args)
 
-    resume = handed.replace(resume="auto", overwrite=False)
-    restart = handed if out.resume is not None else handed.replace(overwrite=True)  # the run's own folder
     run_dir = Path(out.output_dir)
     where = f"{nodes} node(s) x {gpus} {'CPU process(es)' if cpu else plan.request.gpu.name}"
     return batch_script(BatchJob(
@@ -348,7 +345,8 @@ def _batch_script(req: LaunchRequest, plan: Plan, handed: RunConfig, files: dict
         job_name=sched.job_name or re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:64] or "adaptive",
         resources=resources, run_dir=run_dir, workdir=Path.cwd(), python=sys.executable,
         pythonpath=os.environ.get("PYTHONPATH") or None, accelerate_config=files["accelerate_config"],
-        main_port=req.main_process_port, fresh=args(handed), resume=args(resume), restart=args(restart), cpu=cpu,
+        main_port=req.main_process_port, args=args(handed), cpu=cpu,
+        max_restarts=config.faults.max_restarts or 0,
         requeue=sched.requeue, partition=sched.partition, account=sched.account, qos=sched.qos))
 
 

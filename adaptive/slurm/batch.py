@@ -9,8 +9,9 @@ Time: the plan's predicted training time (or --max-steps x its step time) x TIME
 rounded up to whole minutes and capped by a --time pin. Slurm signals the batch shell (`B:USR1`)
 SIGNAL seconds before the limit: one step, one checkpoint written at CHECKPOINT_WRITE_BYTES_PER_S per
 node, and a margin. The shell's trap touches RUN/STOP, which the training loop already obeys: it
-checkpoints after the current step and stops. With --requeue the script then requeues its own job,
-and a requeued job (SLURM_RESTART_COUNT > 0) resumes from the newest complete checkpoint.
+checkpoints after the current step and stops. With --requeue the script then requeues its own job;
+a requeued job (SLURM_RESTART_COUNT > 0) runs the same command, which resumes from the run folder's
+newest complete checkpoint by itself (adaptive.train.run.restart).
 
 Everything user-given that reaches the script is either a strict pattern checked on the command line
 (partition, account, QoS, job name, time: `adaptive.config.run`), a path of plain characters (the
@@ -140,9 +141,8 @@ class BatchJob:
     pythonpath: str | None  # propagated when set
     accelerate_config: Path
     main_port: int
-    fresh: tuple[str, ...]  # the recipe and its arguments: a first start
-    resume: tuple[str, ...]  # after a requeue, with a complete checkpoint
-    restart: tuple[str, ...]  # after a requeue without one: start over in the run's own folder
+    args: tuple[str, ...]  # the recipe and its arguments (a requeued job's too: restart.py resumes it)
+    max_restarts: int = 0  # accelerate's --max_restarts on each node (torchrun's elastic agent)
     cpu: bool = False  # tell DeepSpeed it runs on CPUs
     requeue: bool = False
     partition: str | None = None
@@ -192,17 +192,9 @@ def batch_script(job: BatchJob) -> str:
     lines += [f"cd {q(str(job.workdir))}",
               'MAIN_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
               f"MAIN_PORT={int(job.main_port)}", "export MAIN_ADDR MAIN_PORT", "",
-              "# The run's options (adaptive's run configuration). A requeued job resumes from the run's newest "
-              "complete",
-              "# checkpoint; without one it starts over.",
-              f"ARGS={_array(job.fresh)}",
-              'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then',
-              '    if "$PY" -m adaptive.slurm.requeue "$RUN"; then',
-              f"        ARGS={_array(job.resume)}",
-              "    else",
-              f"        ARGS={_array(job.restart)}",
-              "    fi",
-              "fi", "",
+              "# The run's options (adaptive's run configuration). A requeued job runs them again: the run resumes",
+              "# from its folder's newest complete checkpoint by itself, or starts over without one.",
+              f"ARGS={_array(job.args)}", "",
               "# Slurm's USR1 before the time limit: the run checkpoints after its current step and stops. (A stop",
               "# request an earlier attempt left unread is not this one's.)",
               f"rm -f \"$RUN\"/{STOP_REQUEST}",
@@ -214,7 +206,8 @@ def batch_script(job: BatchJob) -> str:
               '--cpus-per-task="$SLURM_CPUS_PER_TASK" '
               + ('--gpus-per-node="$SLURM_GPUS_PER_NODE" ' if r.gpus_per_node else "") + '--kill-on-bad-exit=1 \\',
               "    bash -c 'exec \"$0\" -m accelerate.commands.launch --config_file \"$1\" --machine_rank "
-              "\"$SLURM_NODEID\" --main_process_ip \"$MAIN_ADDR\" --main_process_port \"$MAIN_PORT\" \"${@:2}\"' \\",
+              "\"$SLURM_NODEID\" --main_process_ip \"$MAIN_ADDR\" --main_process_port \"$MAIN_PORT\" "
+              + (f"--max_restarts {int(job.max_restarts)} " if job.max_restarts else "") + "\"${@:2}\"' \\",
               f"    \"$PY\" {q(str(job.accelerate_config))} \"${{ARGS[@]}}\" &",
               "LAUNCHERS=$!",
               "while :; do",
