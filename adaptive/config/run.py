@@ -197,6 +197,10 @@ class ParallelismOptions:
     tp_size: int | None = option(
         None, "--tp-size", commands=PLANNING, minimum=1,
         help="Pin the AutoTP tensor-parallel size (DeepSpeed's autotp_size), within a node.")
+    pp_size: int | None = option(
+        None, "--pp-size", commands=PLANNING, minimum=1,
+        help="Pin the pipeline-parallel size (DeepSpeed's pipeline engine): the layers split into this many "
+             "stages; the micro-batches per step are the gradient accumulation steps; ZeRO-1 at most.")
     zero_hpz: int | None = option(
         None, "--zero-hpz", commands=PLANNING, minimum=1,
         help="Pin ZeRO++ hpZ (DeepSpeed's hpz partition size): a secondary ZeRO-3 parameter copy sharded over "
@@ -205,6 +209,11 @@ class ParallelismOptions:
         None, "--zero-quantize", commands=PLANNING, choices=("off", "weights", "gradients", "both"),
         help="Pin ZeRO++ quantized communication under ZeRO-3: off, weights (qwZ: int8 parameter all-gathers), "
              "gradients (qgZ: int4 reduce-scatter) or both.")
+    pp_partition: str = option(
+        "parameters", "--pp-partition", commands=RUN,
+        help="How --pp-size splits the layers into stages (DeepSpeed's partition_method): parameters (balance "
+             "the parameter counts), uniform (the same number of layers), or type:REGEX (balance the layers whose "
+             "class matches, e.g. type:DecoderLayerPipe).")
     ds_config: str | None = option(
         None, "--ds-config", commands=PLANNING,
         help="Your DeepSpeed JSON: its explicit values pin the knobs, bucket sizes and optimizer; its \"auto\" "

@@ -55,7 +55,8 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
                  ds_config: str | None = None, kernels: str | None = None,
                  checkpoint_policy: str | None = None, sp_size: int | None = None, tp_size: int | None = None,
                  zero_hpz: int | None = None, zero_quantize: str | None = None, loss_law: str | None = None,
-                 dataset_tokens: float | None = None, lr: float | None = None) -> FitRequest:
+                 dataset_tokens: float | None = None, lr: float | None = None,
+                 pp_size: int | None = None) -> FitRequest:
     """`kernels` None: "lean" for adaptive's models, "plain" for a config.json transformers' class trains."""
     require_positive("--host-mem", host_mem_gib)
     spec = resolve_model(model, arch, mod_capacity)
@@ -96,7 +97,7 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         kernels=kernels or default_kernels(spec),
         checkpointing=checkpoint_policy,
         calibration_source=source,
-        sp_size=sp_size, tp_size=tp_size, zero_hpz=zero_hpz,
+        sp_size=sp_size, tp_size=tp_size, pp_size=pp_size, zero_hpz=zero_hpz,
         zero_quantized_weights=None if zero_quantize is None else zero_quantize in ("weights", "both"),
         zero_quantized_gradients=None if zero_quantize is None else zero_quantize in ("gradients", "both"),
         loss_model=resolve_law(loss_law), unique_tokens=dataset_tokens, lr=lr,

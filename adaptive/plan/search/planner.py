@@ -80,6 +80,7 @@ class FitRequest:
     # beyond data parallelism (DeepSpeed): Ulysses sequence parallel, AutoTP tensor parallel, ZeRO++
     sp_size: int | None = None
     tp_size: int | None = None
+    pp_size: int | None = None
     zero_hpz: int | None = None  # zero_hpz_partition_size; 1 is off
     zero_quantized_weights: bool | None = None
     zero_quantized_gradients: bool | None = None
