@@ -21,7 +21,8 @@ Every command is accelerate's launcher:
 
 The recipe gets the run options given to launch, `--ds-config RUN/ds_config.json --output-dir RUN`
 and the knobs the DeepSpeed config cannot carry (`--gpu`, `--seq-len`, `--ep-size`,
-`--checkpointing`; `--pp-size` and `--pp-partition` as given), so it re-derives the same plan; anything after `--` is passed to the recipe as
+`--checkpointing`; `--pp-size` and `--pp-partition` as given), so it re-derives the same
+plan; anything after `--` is passed to the recipe as
 is. Imports no torch.
 """
 

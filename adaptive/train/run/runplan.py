@@ -319,7 +319,7 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
     return RunPlan(preset=preset, arch=arch, plan=plan, knobs=knobs, ds_config=cfg, ds_source=source,
                    precision=precision, device=device, world=world, max_steps=max_steps,
                    orchestrator_requested=requested, orchestrator=enabled, init_from=config.model.init_from,
-                   pp_partition=pipeline_partition(par.pp_partition))
+                   pp_partition=pipeline_partition(par.pp_partition or "parameters"))
 
 
 def pipeline_zero(pp: int, zero: int | None, sp: int, tp: int, ep: int | None, arch: str, world: World) -> int:
