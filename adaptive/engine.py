@@ -212,6 +212,23 @@ def ulysses_data_adapter(batches: Any, rank: int, group: Any, size: int, device:
     return UlyssesSPDataLoaderAdapter(batches, sp_rank=rank, sp_group=group, sp_world_size=size, device=device)
 
 
+# --- pipeline parallelism with DeepSpeed MoE -----------------------------------------------------
+
+
+def use_pipeline_grid(pp_size: int) -> None:
+    """The pipeline engine's (pipe, data) grid as DeepSpeed's `groups.mpu`, before the expert groups are built on
+    it: DeepSpeed then builds each stage's expert-parallel and expert-data-parallel groups inside the stage's ranks
+    (utils/groups.py _get_expert_parallel_ranks, pp_stride = world / pp). The engine builds the same grid from the
+    PipelineModule's topology (pipe/module.py) and sets it as `groups.mpu` itself (runtime/engine.py
+    _configure_distributed_model); expert groups built before either would span the stages."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
+    from deepspeed.utils import groups
+
+    topology = PipeDataParallelTopology(num_pp=pp_size, num_dp=dist.get_world_size() // pp_size)
+    groups.mpu = PipelineParallelGrid(topology=topology)
+
+
 # --- tensor parallelism (AutoTP) with DeepSpeed MoE -----------------------------------------------
 
 
@@ -325,5 +342,5 @@ __all__ = ["A2A_TIMERS", "CHECKPOINT_CLASSES", "DEEPSPEED_VERSION_READ", "checkp
            "shm_comm_op_built_line",
            "moe_layers_with_timers", "moe_param_groups", "moe_timer_seconds", "reported_grad_norm",
            "reports_grad_norm", "sequence_parallel_group", "set_batch_sizes", "start_moe_timers", "stop_moe_timers",
-           "ulysses_data_adapter", "use_tensor_parallel_mesh", "tensor_parallel_size", "gather_tokens_for_gloo",
-           "tensor_parallel_state_dict"]
+           "ulysses_data_adapter", "use_pipeline_grid", "use_tensor_parallel_mesh", "tensor_parallel_size",
+           "gather_tokens_for_gloo", "tensor_parallel_state_dict"]

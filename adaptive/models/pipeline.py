@@ -36,7 +36,8 @@ from transformers.masking_utils import create_causal_mask
 from adaptive.errors import AdaptiveError
 from adaptive.models.configuration_adaptive import AdaptiveConfig
 from adaptive.models.lean import ChunkedLMLossFunction, loss_chunk_tokens, shift_labels
-from adaptive.models.modeling_adaptive import AdaptiveDecoderLayer, AdaptiveRMSNorm, AdaptiveRotaryEmbedding
+from adaptive.models.modeling_adaptive import (AdaptiveDecoderLayer, AdaptiveRMSNorm, AdaptiveRotaryEmbedding,
+                                               AdaptiveRouterStats)
 from adaptive.plan.estimate.activations import parse_checkpoint_policy
 
 PARTITIONS = ("parameters", "uniform")  # or type:REGEX (DeepSpeed's partition_method)
@@ -87,6 +88,8 @@ class DecoderLayerPipe(nn.Module):
         self.layer = AdaptiveDecoderLayer(config, layer_idx)
         self.rotary_emb = AdaptiveRotaryEmbedding(config)  # buffers only, none saved
         self.checkpoint = False
+        self.recorded: list[Any] = []  # the router statistics of each training forward since the last take
+        self._stats: Any = None
 
     def forward(self, inputs):
         hidden, sums = (inputs, None) if torch.is_tensor(inputs) else inputs
@@ -94,6 +97,8 @@ class DecoderLayerPipe(nn.Module):
             out, extra = torch.utils.checkpoint.checkpoint(self._block, hidden, use_reentrant=False)
         else:
             out, extra = self._block(hidden)
+        if self.training and sums is not None:  # once per micro-batch (a recompute in backward runs _block only)
+            self.recorded.append(self._stats)
         if sums is None:
             return out
         return out, sums + extra
@@ -108,6 +113,7 @@ class DecoderLayerPipe(nn.Module):
                                 position_embeddings=position_embeddings, padding_mask=None)
         zero = hidden.new_zeros(())
         moe, mod = stats.moe, stats.mod
+        self._stats = stats
         extra = torch.stack([moe.l_aux.to(hidden.dtype) if moe is not None else zero,
                              moe.z_loss.to(hidden.dtype) if moe is not None else zero,
                              mod.bce_loss.to(hidden.dtype) if mod is not None else zero])
@@ -157,6 +163,7 @@ class AdaptivePipelineModule(PipelineModule):
             partition_method), activation_checkpoint_interval=0)
         self.config = config
         self._last_parts: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.micro_losses: list[torch.Tensor] = []  # the last stage's training micro-batch losses since the last take
         # DeepSpeed's fp32 gradient clipping and ZeRO-1's norm count a parameter once over the pipeline's ranks
         # only when it is marked model-parallel (runtime/utils.py clip_grad_norm_, model_parallel_rank == 0 or
         # is_model_parallel_parameter); every stage's own parameters are, a tied copy after the first is not
@@ -175,9 +182,12 @@ class AdaptivePipelineModule(PipelineModule):
         lm = lm_loss(self._head_weight(), hidden, labels, lean=self.config.kernels == "lean" and self.training)
         if sums is None or not self.training:  # evaluation reports the LM loss alone, as the loop's eval does
             self._last_parts = (lm.detach(), lm.new_zeros(()))
+            if self.training:
+                self.micro_losses.append(lm.detach())
             return lm
         aux = router_loss(self.config, sums)
         self._last_parts = (lm.detach(), aux.detach())
+        self.micro_losses.append((lm + aux).detach())
         return lm + aux
 
     def get_additional_losses(self):
@@ -188,6 +198,13 @@ class AdaptivePipelineModule(PipelineModule):
             return None
         lm, aux = self._last_parts if self._last_parts is not None else (torch.zeros(()), torch.zeros(()))
         return {"lm_loss": lm, "aux_loss": aux}
+
+    def local_moe_rows(self) -> list[int]:
+        """This stage's MoE layers as rows of the model's [moe_layers, E] statistics, in module order (the
+        orchestrator's balance policy updates this stage's gates from those rows)."""
+        rows = list(self.config.moe_layers)
+        return [rows.index(m.layer.layer_idx) for m in self.forward_funcs
+                if isinstance(m, DecoderLayerPipe) and m.layer.layer_idx in rows]
 
     # -- checkpointing policy (the same recompute as the HF model's, adaptive/models/checkpointing.py)
 
@@ -281,8 +298,13 @@ def gather_hf_state_dict(pipe: AdaptivePipelineModule) -> dict[str, torch.Tensor
     theirs. A collective: every rank calls it."""
     import torch.distributed as dist
 
+    from adaptive.models.moe_deepspeed import globalize_expert_state_dict
+
     grid = pipe._grid
-    mine = local_hf_state(pipe) if grid.data_parallel_id == 0 else {}
+    # under expert parallelism a stage's replicas hold its experts between them: gather them first (a collective
+    # over each stage's expert-parallel group, global expert ids)
+    mine = globalize_expert_state_dict(pipe, local_hf_state(pipe))
+    mine = mine if grid.data_parallel_id == 0 else {}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0)
     if dist.get_rank() != 0:
@@ -291,6 +313,70 @@ def gather_hf_state_dict(pipe: AdaptivePipelineModule) -> dict[str, torch.Tensor
     for part in parts:
         full.update(part)
     return full
+
+
+# ---------------------------------------------------------------------------------------------
+# What a step leaves on the stages: the router statistics and losses the loop's callbacks and metrics read
+
+
+def take_router_stats(pipe: AdaptivePipelineModule, micro_batches: int) -> list[AdaptiveRouterStats | None]:
+    """Per training micro-batch since the last take, the router statistics in the HF model's shape ([L_moe, E]
+    counts, [L_moe] and [L_mod] rates, `_collect_router_stats`), from this stage's layers; the rows of the other
+    stages' layers are zero, so a sum over every rank (the metrics' and monitor's all-reduce) holds each layer's
+    statistics once per data-parallel replica, as a pp 1 run's does. The per-layer rates (dropped fraction,
+    router entropy, MoD skip rate and agreement) are means over the micro-batches of every rank: a layer lives on
+    1/pp of the ranks, so its rates are counted pp times here to keep those means. Clears the records."""
+    config = pipe.config
+    if not routed(config):
+        return [None] * micro_batches
+    pp = pipe.num_stages
+    moe_rows, mod_rows = list(config.moe_layers), list(config.mod_layers)
+    experts = config.num_local_experts  # every expert, as the gate counts them (ep_size splits the weights only)
+    layers = [m for m in pipe.forward_funcs if isinstance(m, DecoderLayerPipe)]
+    device = next(iter(pipe.parameters())).device
+    out = []
+    for i in range(micro_batches):
+        stats = AdaptiveRouterStats(moe_layers=tuple(moe_rows), mod_layers=tuple(mod_rows))
+        if moe_rows:
+            stats.expert_counts = torch.zeros(len(moe_rows), experts, dtype=torch.int64, device=device)
+            stats.dropped_fraction = torch.zeros(len(moe_rows), device=device)
+            stats.router_entropy = torch.zeros(len(moe_rows), device=device)
+        if mod_rows:
+            stats.mod_skip_rate = torch.zeros(len(mod_rows), device=device)
+            stats.mod_router_agreement = torch.zeros(len(mod_rows), device=device)
+        for layer in layers:
+            moe, mod = layer.recorded[i].moe, layer.recorded[i].mod
+            index = layer.layer.layer_idx
+            if moe is not None:
+                row = moe_rows.index(index)
+                stats.expert_counts[row] = moe.expert_counts.detach()
+                stats.dropped_fraction[row] = moe.dropped_fraction.detach() * pp
+                stats.router_entropy[row] = moe.gate_entropy.detach() * pp
+            if mod is not None:
+                row = mod_rows.index(index)
+                stats.mod_skip_rate[row] = mod.skip_rate.detach() * pp
+                stats.mod_router_agreement[row] = mod.router_agreement.detach() * pp
+        out.append(stats)
+    for layer in layers:
+        layer.recorded.clear()
+    return out
+
+
+def take_micro_losses(pipe: AdaptivePipelineModule, micro_batches: int) -> torch.Tensor:
+    """The training micro-batch losses since the last take (LM + router, as `loss_fn` returned them), broadcast
+    from the last stage along the pipeline: every stage gets its replica's. A collective over the pipe group."""
+    import torch.distributed as dist
+
+    grid = pipe._grid
+    device = next(iter(pipe.parameters())).device
+    last = grid.stage_to_global(pipe.num_stages - 1)
+    if dist.get_rank() == last:
+        losses = torch.stack(pipe.micro_losses[-micro_batches:]).float().to(device)
+    else:
+        losses = torch.zeros(micro_batches, device=device)
+    pipe.micro_losses.clear()
+    dist.broadcast(losses, src=last, group=grid.get_pipe_parallel_group())
+    return losses
 
 
 def to_pipeline(model: nn.Module, num_stages: int, partition_method: str, checkpoint_policy: str) -> AdaptivePipelineModule:
@@ -309,4 +395,4 @@ def to_pipeline(model: nn.Module, num_stages: int, partition_method: str, checkp
 
 __all__ = ["AdaptivePipelineModule", "DecoderLayerPipe", "EmbeddingPipe", "LMHeadPipe", "NormPipe", "PARTITIONS",
            "check_partition", "gather_hf_state_dict", "hf_key", "lm_loss", "load_hf_state", "local_hf_state",
-           "pipeline_key", "router_loss", "routed", "to_pipeline"]
+           "pipeline_key", "router_loss", "routed", "take_micro_losses", "take_router_stats", "to_pipeline"]

@@ -37,7 +37,7 @@ def test_a_name_outside_the_decoder_is_refused():
     (dict(zero=3), r"ZeRO-1 at most"),
     (dict(tp=2), r"engine.py:957"),
     (dict(sp=2), r"deepspeed/__init__.py:583"),
-    (dict(ep=2), r"--ep-size 1"),
+    (dict(ep=4), r"--ep-size 4 with --pp-size 2: .* 2 data-parallel replicas, which 4 does not divide; nearest that does: 2"),
 ])
 def test_layouts_the_pipeline_engine_cannot_train_are_one_line(kwargs, match):
     args = dict(zero=None, sp=1, tp=1, ep=None) | kwargs
@@ -47,6 +47,7 @@ def test_layouts_the_pipeline_engine_cannot_train_are_one_line(kwargs, match):
 
 
 def test_pipeline_zero_stage_and_world():
+    assert pipeline_zero(2, None, 1, 1, 2, "moe", World(4, 4)) == 1  # experts split over a stage's two replicas
     assert pipeline_zero(2, None, 1, 1, None, "dense", World(2, 2)) == 0  # one replica: nothing to shard
     assert pipeline_zero(2, None, 1, 1, None, "dense", World(4, 4)) == 1  # ZeRO-1 over the replicas
     assert pipeline_zero(2, 0, 1, 1, None, "dense", World(4, 4)) == 0

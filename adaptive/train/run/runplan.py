@@ -340,10 +340,13 @@ def pipeline_zero(pp: int, zero: int | None, sp: int, tp: int, ep: int | None, a
         raise AdaptiveError(f"--sp-size {sp} with --pp-size {pp}: Ulysses hands deepspeed.initialize its own mpu, "
                             "which the pipeline engine refuses (\"mpu must be None with pipeline parallelism\", "
                             "deepspeed/__init__.py:583); use one of them")
-    if ep is not None and ep > 1:
-        raise AdaptiveError(f"--ep-size {ep} with --pp-size {pp}: not wired here (our expert setup creates "
-                            "DeepSpeed's expert groups before the pipeline grid exists); pipelined MoE keeps its "
-                            "experts whole in each stage's data-parallel group (--ep-size 1)")
+    replicas = world.size // pp
+    if ep is not None and ep > 1 and replicas % ep:
+        # DeepSpeed builds each stage's expert groups from its data-parallel ranks (utils/groups.py
+        # _get_expert_parallel_ranks: _ensure_divisibility(dp_world_size, expert_parallel_size_))
+        raise AdaptiveError(f"--ep-size {ep} with --pp-size {pp}: the experts are split over a stage's {replicas} "
+                            f"data-parallel replicas, which {ep} does not divide; nearest that does: "
+                            f"{max(d for d in range(1, replicas + 1) if replicas % d == 0 and d <= ep)}")
     if zero is not None:
         return zero
     return 0 if world.size // pp == 1 else 1

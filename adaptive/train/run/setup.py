@@ -185,6 +185,12 @@ def build_model(run: RunPlan, tokenizer: Any, seed: int) -> Any:
     # under ZeRO-3: deepspeed.zero.Init; under Ulysses, the attention its registration expects
     attention = {"attn_implementation": SP_ATTENTION} if knobs.sp_size > 1 else {}
     model = AdaptiveForCausalLM._from_config(config, dtype=torch.float32, **attention)
+    if knobs.pp_size > 1 and knobs.ep_size > 1 and config.moe_layers:  # expert groups inside each stage's ranks
+        from adaptive.engine import use_pipeline_grid
+        from adaptive.models.moe_deepspeed import ensure_distributed
+
+        ensure_distributed()
+        use_pipeline_grid(knobs.pp_size)
     if run.init_from:
         load_init_weights(model, run.init_from)
     elif knobs.ep_size > 1 and config.moe_layers:
