@@ -56,6 +56,21 @@ def moe_gates(model: Any) -> list[Any]:
     return [m for m in model.modules() if hasattr(m, "e_score_correction_bias") and hasattr(m, "capacity_factor")]
 
 
+def gate_rows(model: Any, biases: list[Any]) -> tuple[list[int], int, int, bool]:
+    """(each local gate's MoE layer row, the model's MoE layers, experts, whether this rank is its replica's first).
+    A pipeline stage (adaptive/models/pipeline.py) holds some of the layers: its `local_moe_rows` says which, and
+    each stage's first data-parallel rank speaks for it; otherwise every layer, and rank 0."""
+    module = getattr(model, "module", model)
+    local_rows = getattr(module, "local_moe_rows", None)
+    if local_rows is None:
+        import torch
+        first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        return list(range(len(biases))), len(biases), biases[0].numel() if biases else 0, first
+    config = module.config
+    return (local_rows(), len(config.moe_layers), config.num_local_experts,
+            model.grid.get_data_parallel_rank() == 0)
+
+
 class BalancePolicy:
     name = "balance"
 
@@ -64,6 +79,8 @@ class BalancePolicy:
         self.monitor = monitor
         self.events = events
         self.gates: list[Any] = []
+        self.rows: list[int] = []  # each gate's row in the model's [moe_layers, E] counts
+        self.layers = 0  # the model's MoE layers (a pipeline stage holds some of them)
         self.biases: list[torch.Tensor] = []
         self.masters: list[torch.Tensor] | None = None  # fp32 copies when the buffers are 16-bit
         self.updates = 0
@@ -72,15 +89,27 @@ class BalancePolicy:
         self._loaded: dict[str, Any] | None = None  # from the checkpoint being loaded
 
     def on_train_start(self, state: TrainerState, control: Control) -> None:
-        import torch
         self.gates = moe_gates(state.model)
         self.biases = [g.e_score_correction_bias for g in self.gates]
-        if world_size() > 1:  # start from rank 0's biases; identical updates keep them equal from then on
-            for bias in self.biases:
-                torch.distributed.broadcast(bias, src=0)
+        self.rows, self.layers, experts, first = gate_rows(state.model, self.biases)
+        if world_size() > 1 and self.layers:  # start from the first replica's biases; identical updates keep them equal
+            self._start_equal(experts, first, state.model)
         self._sync_masters()
         self._last_step = state.step
         self._reported = self._bias_copies()
+
+    def _start_equal(self, experts: int, first: bool, model: Any) -> None:
+        """Every rank takes the first replica's biases: one all-reduce of the [layers, E] biases, the first
+        replica's ranks (rank 0 without a pipeline; each stage's first one with) adding theirs, the others zeros."""
+        import torch
+        device = next(iter(model.parameters())).device
+        full = torch.zeros(self.layers, experts, dtype=torch.float32, device=device)
+        if first:
+            for row, bias in zip(self.rows, self.biases):
+                full[row] = bias.float()
+        all_reduce_sum(full)
+        for row, bias in zip(self.rows, self.biases):
+            bias.copy_(full[row])
 
     def _sync_masters(self) -> None:
         import torch
@@ -90,7 +119,8 @@ class BalancePolicy:
         if saved is not None:
             self.updates = saved.get("updates", self.updates)
             rows = saved.get("masters")
-            if self.masters is not None and rows is not None and len(rows) == len(self.masters):
+            same_layers = saved.get("rows", list(range(len(rows or [])))) == self.rows  # a pipeline stage's own
+            if self.masters is not None and rows is not None and len(rows) == len(self.masters) and same_layers:
                 for bias, master, row in zip(self.biases, self.masters, rows):
                     master.copy_(torch.tensor(row, dtype=torch.float32))
                     bias.copy_(master)
@@ -103,7 +133,8 @@ class BalancePolicy:
     def state_dict(self) -> dict[str, Any] | None:
         if not self.biases:
             return None
-        return {"updates": self.updates, "masters": [m.tolist() for m in self.masters] if self.masters else None}
+        return {"updates": self.updates, "masters": [m.tolist() for m in self.masters] if self.masters else None,
+                "rows": self.rows}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Taken in at the next on_train_start (--resume) or on_step_start (a rollback)."""
@@ -112,12 +143,14 @@ class BalancePolicy:
     def on_optimizer_step(self, state: TrainerState, control: Control) -> None:
         import torch
         counts = self.monitor.step_counts
-        if not self.biases or counts is None:
+        if not self.layers or counts is None:  # every rank joins the all-reduce, a pipeline stage without gates too
             return
         load = counts.clone() if world_size() > 1 else counts
         all_reduce_sum(load)
+        if not self.biases:
+            return
         delta = (load.mean(dim=1, keepdim=True) - load).sign_().mul_(self.config.rate).float()
-        rows = list(delta.unbind(0))
+        rows = [delta[row] for row in self.rows]  # this rank's gates' layers (a pipeline stage holds some)
         if self.masters is None:
             torch._foreach_add_(self.biases, rows)
         else:

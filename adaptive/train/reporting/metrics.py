@@ -121,7 +121,10 @@ class StepStats:
         if aux is not None:
             self.aux_loss += aux
         self.micro_batches += 1
-        stats = outputs.router_stats
+        self.add_router_stats(outputs.router_stats)
+
+    def add_router_stats(self, stats: Any) -> None:
+        """Add one micro-batch's router statistics (AdaptiveRouterStats, or None for a dense model)."""
         if stats is None:
             return
         if stats.expert_counts is not None:

@@ -226,16 +226,19 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
 
 def _pipeline_step(state: TrainerState, control: Control, loop: Loop,
                    micro_batches: list[dict[str, torch.Tensor]]) -> StepStats:
-    """DeepSpeed's pipeline schedule runs the step, update included (pipeline_step.py); a skip asked for
-    cannot discard it."""
+    """DeepSpeed's pipeline schedule runs the step, update included (pipeline_step.py), then the callbacks see each
+    micro-batch's loss and router statistics; a skip asked for cannot discard it."""
     from adaptive.train.run import pipeline_step
 
     engine = state.model
+    stats, outputs = pipeline_step.train_batch(engine, micro_batches, loop.device)
+    for i, (batch, out) in enumerate(zip(micro_batches, outputs)):
+        state.micro_step = i
+        loop.callbacks.on_backward_end(state, control, outputs=out, loss=out.loss, batch=batch)
     if control.skip_step:
         logger.warning("step %d: a skip was asked for, but DeepSpeed's pipeline schedule applies the update "
-                       "itself; the step runs", state.step + 1)
+                       "itself; the step ran", state.step + 1)
         control.skip_step = False
-    stats = pipeline_step.train_batch(engine, micro_batches, loop.device)
     state.last_skip = None
     if engine.was_step_applied():
         loop.callbacks.on_optimizer_step(state, control)
