@@ -203,7 +203,8 @@ class TrainerState:
     @property
     def tokens_per_step(self) -> int:
         """Global tokens per optimizer step (the same whatever seq_len cuts the blocks into)."""
-        return self.knobs.tokens_per_step * (self.world_size // self.knobs.tp_size)  # a TP group shares its data
+        # a TP group, and a pipeline's stages, share their data
+        return self.knobs.tokens_per_step * (self.world_size // (self.knobs.tp_size * self.knobs.pp_size))
 
 
 @dataclass

@@ -1,9 +1,14 @@
-"""--pp-size on DeepSpeed's pipeline engine, end to end on the CPU (gloo, torchrun): the debug dense and MoE
-recipes train with the losses of a pp 1 run step by step; pp 2 x dp 2 on four processes matches dp 2 pp 1 on two
-(the same replicas draw the same data; each pipeline only splits its replica's layers); a resume from a pp 2
-checkpoint continues bitwise; the HF export of a pp 2 run holds the pp 1 run's weights.
+"""--pp-size on DeepSpeed's pipeline engine, end to end on the CPU (gloo): the debug dense and MoE recipes train with
+the losses of a pp 1 run step by step; pp 2 x dp 2 x ep 2 on four processes matches dp 2 x ep 2 on two (the same
+replicas draw the same data; each pipeline only splits its replica's layers, each stage's experts are split over
+its replicas); a pp 2 run SIGKILLed after a checkpoint resumes bitwise; the HF export of a pp 2 run holds the pp 1
+run's weights; the orchestrator's router statistics and events are those of the pp 1 run.
 
-The runs are few steps of the debug model at sequence 32, shared by the assertions (module-scoped)."""
+Eight launches of four steps of the debug model at sequence 32, shared by the assertions (module-scoped) and run
+two at a time: the uninterrupted dense pp 2 run through `adaptive launch` (accelerate launch --use_deepspeed), the
+killed one through accelerate launch with the test driver's SIGKILL callback, the rest through torchrun or one
+plain process. The four-process pair starts from the MoE pp 1 run's export with tied embeddings (--init-from): a
+pipeline whose first and last stages share the embedding (TiedLayerSpec)."""
 
 from __future__ import annotations
 
@@ -11,87 +16,183 @@ import json
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from tests.train._launch import REPO, free_port, launch_env, tail, train_losses
+from tests.train._launch import REPO, accelerate_launch, driver, free_port, launch_env, records, tail
 
 pytestmark = pytest.mark.slow
 
-FLAGS = ["--max-steps", "6", "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "4", "--checkpoint-every", "3",
-         "--log-every", "1", "--no-progress", "--orchestrator", "off", "--zero", "0"]
+STEPS = 4
+FLAGS = ["--max-steps", str(STEPS), "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "4",
+         "--checkpoint-every", "2", "--log-every", "1", "--no-progress", "--zero", "0"]
 RELATIVE = 1e-5  # fp32: the pipeline sums its micro-batch losses in another order
 
 
-def train(root: Path, name: str, arch: str, nproc: int, *extra: str) -> Path:
-    out = root / name
-    recipe = REPO / "recipes" / f"debug_{arch}.py"
-    args = [str(recipe), *FLAGS, "--output-dir", str(out), *extra]
+def recipe(arch: str) -> Path:
+    return REPO / "recipes" / f"debug_{arch}.py"
+
+
+def torchrun(root: Path, arch: str, nproc: int, out: Path, *extra: str) -> subprocess.CompletedProcess:
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                                       "--master_port", str(free_port())]
-    done = subprocess.run([sys.executable, *launcher, *args], cwd=REPO, env=launch_env(root / "home"),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, tail(done)
-    return out
+    return subprocess.run([sys.executable, *launcher, str(recipe(arch)), *FLAGS, "--output-dir", str(out), *extra],
+                          cwd=REPO, env=launch_env(root / "home"), capture_output=True, text=True, timeout=600)
+
+
+def adaptive_launch(root: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli", "launch", str(recipe("dense")), "--gpus", "2", *FLAGS,
+                           "--orchestrator", "off", "--output-dir", str(out), *extra], cwd=REPO,
+                          env=launch_env(root / "home"), capture_output=True, text=True, timeout=600)
+
+
+def tied_copy(export: Path, target: Path) -> Path:
+    """`export` with tied embeddings: the head is the embedding (config.json says so, lm_head.weight goes)."""
+    shutil.copytree(export, target)
+    config = json.loads((target / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (target / "config.json").write_text(json.dumps(config))
+    weights = load_file(target / "model.safetensors")
+    weights.pop("lm_head.weight")
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    return target
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pp")
-    out = {
-        "dense_pp1": train(root, "dense_pp1", "dense", 1),
-        "dense_pp2": train(root, "dense_pp2", "dense", 2, "--pp-size", "2"),
-        "moe_pp1": train(root, "moe_pp1", "moe", 1),
-        "moe_pp2": train(root, "moe_pp2", "moe", 2, "--pp-size", "2"),
-        "dense_dp2": train(root, "dense_dp2", "dense", 2),
-        "dense_pp2_dp2": train(root, "dense_pp2_dp2", "dense", 4, "--pp-size", "2"),
+    out = {name: root / name for name in ("dense_pp1", "dense_pp2", "killed", "moe_pp1", "moe_pp2", "moe_dp2_ep2",
+                                          "moe_pp2_dp2_ep2", "tied_init")}
+    done: dict[str, subprocess.CompletedProcess] = {}
+    pp2, ep2 = ("--pp-size", "2"), ("--ep-size", "2", "--orchestrator", "on")
+
+    def kill_and_resume():
+        # SIGKILL on every rank right after the step-2 checkpoint is complete (tests/train/_driver.py), then --resume
+        args = [*FLAGS, "--orchestrator", "off", *pp2, "--output-dir", str(out["killed"])]
+        done["killed"] = driver("debug", "dense", {"kill_after_checkpoint": 2}, args, nproc=2, home=root / "home")
+        done["resumed"] = accelerate_launch(recipe("dense"), [*args, "--resume"], nproc=2, home=root / "home")
+
+    def moe_runs():
+        done["moe_pp1"] = torchrun(root, "moe", 1, out["moe_pp1"], "--orchestrator", "on")
+        assert done["moe_pp1"].returncode == 0, tail(done["moe_pp1"])
+        init = ("--init-from", str(tied_copy(out["moe_pp1"] / "hf", out["tied_init"])))
+        with ThreadPoolExecutor(2) as pool:
+            four = pool.submit(torchrun, root, "moe", 4, out["moe_pp2_dp2_ep2"], *pp2, *ep2, *init)
+            done["moe_dp2_ep2"] = torchrun(root, "moe", 2, out["moe_dp2_ep2"], *ep2, *init)
+            done["moe_pp2_dp2_ep2"] = four.result()
+
+    jobs = {
+        "kill_and_resume": kill_and_resume,
+        "moe": moe_runs,
+        "dense_pp1": lambda: done.setdefault("dense_pp1", torchrun(root, "dense", 1, out["dense_pp1"],
+                                                                   "--orchestrator", "off")),
+        "dense_pp2": lambda: done.setdefault("dense_pp2", adaptive_launch(root, out["dense_pp2"], *pp2)),
+        "moe_pp2": lambda: done.setdefault("moe_pp2", torchrun(root, "moe", 2, out["moe_pp2"], "--orchestrator", "on",
+                                                               *pp2)),
     }
-    # a pp 2 run stopped after its step-3 checkpoint: the uninterrupted run's folder cut back to it, resumed
-    cut = root / "dense_pp2_resumed"
-    shutil.copytree(out["dense_pp2"], cut)
-    shutil.rmtree(cut / "checkpoints" / "step_00000006")
-    (cut / "checkpoints" / "latest").write_text("step_00000003\n")
-    shutil.rmtree(cut / "hf")
-    out["dense_pp2_resumed"] = train(root, "dense_pp2_resumed", "dense", 2, "--pp-size", "2", "--resume")
+    with ThreadPoolExecutor(2) as pool:
+        for future in [pool.submit(job) for job in jobs.values()]:
+            future.result()
+    for name, result in done.items():
+        if name != "killed":
+            assert result.returncode == 0, (name, tail(result))
+    out["done"] = done
     return out
 
 
-def assert_same_losses(a: Path, b: Path, steps: range = range(1, 7)) -> None:
-    la, lb = train_losses(a), train_losses(b)
-    assert sorted(la) == sorted(lb) == list(steps)
-    for step in steps:
-        assert lb[step] == pytest.approx(la[step], rel=RELATIVE), (step, la[step], lb[step])
-    assert la[steps[-1]] < la[steps[0]]  # it trains
+def assert_same_losses(a: Path, b: Path) -> float:
+    ra, rb = records(a, "train"), records(b, "train")
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(1, STEPS + 1))
+    for x, y in zip(ra, rb):
+        assert y["tokens_seen"] == x["tokens_seen"]
+        assert y["loss"] == pytest.approx(x["loss"], rel=RELATIVE), (x["step"], x["loss"], y["loss"])
+    assert ra[-1]["loss"] < ra[0]["loss"]  # it trains
+    return max(abs(x["loss"] - y["loss"]) for x, y in zip(ra, rb))
 
 
 @pytest.mark.parametrize("arch", ["dense", "moe"])
 def test_pp2_trains_with_the_pp1_losses(runs, arch):
-    assert_same_losses(runs[f"{arch}_pp1"], runs[f"{arch}_pp2"])
+    worst = assert_same_losses(runs[f"{arch}_pp1"], runs[f"{arch}_pp2"])
+    print(f"{arch} pp2 vs pp1: max |loss difference| over {STEPS} steps = {worst:.3g}")
 
 
-def test_moe_router_loss_crosses_the_stages(runs):
-    one = {r["step"]: r for r in map(json.loads, (runs["moe_pp1"] / "metrics.jsonl").read_text().splitlines())
-           if r["kind"] == "train"}
-    two = {r["step"]: r for r in map(json.loads, (runs["moe_pp2"] / "metrics.jsonl").read_text().splitlines())
-           if r["kind"] == "train"}
-    for step in one:
-        assert two[step]["aux_loss"] > 0
-        assert two[step]["aux_loss"] == pytest.approx(one[step]["aux_loss"], rel=RELATIVE)
-        assert two[step]["lm_loss"] == pytest.approx(one[step]["lm_loss"], rel=RELATIVE)
+def test_adaptive_launch_trains_the_pp2_run(runs):
+    out = runs["done"]["dense_pp2"].stdout
+    assert "accelerate launch --config_file" in out and "--pp-size 2" in out
+    start = records(runs["dense_pp2"], "start")[0]
+    assert start["world_size"] == 2 and start["knobs"]["pp_size"] == 2
 
 
-def test_pp2_by_dp2_on_four_processes_matches_dp2(runs):
-    assert_same_losses(runs["dense_dp2"], runs["dense_pp2_dp2"])
-    # and not the one-replica run: the four processes trained on two replicas' data
-    assert train_losses(runs["dense_pp2_dp2"])[6] != pytest.approx(train_losses(runs["dense_pp2"])[6], rel=1e-4)
+def test_moe_router_statistics_and_events_match_pp1(runs):
+    """The stages' per-layer router statistics reach metrics.jsonl and the orchestrator (balance, capacity) as a
+    pp 1 run's: every MoE layer's expert counts, each held by one stage."""
+    one, two = records(runs["moe_pp1"], "train"), records(runs["moe_pp2"], "train")
+    layers = len(one[0]["expert_counts"])
+    assert layers > 2  # both stages hold MoE layers
+    for a, b in zip(one, two):
+        assert b["aux_loss"] > 0 and b["aux_loss"] == pytest.approx(a["aux_loss"], rel=RELATIVE)
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=RELATIVE)
+        assert b["expert_counts"] == a["expert_counts"]  # integers: exact
+        assert sum(map(sum, b["expert_counts"])) == layers * 8 * 32 * 2  # 8 sequences of 32 tokens, top-2
+        assert b["dropped_fraction"] == pytest.approx(a["dropped_fraction"], abs=1e-12)
+        assert b["max_vio"] == pytest.approx(a["max_vio"], abs=1e-12)
+
+    def events(run: Path) -> list[tuple]:
+        lines = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+        return [(e.get("step"), e.get("policy"), e.get("action"), e.get("signals")) for e in lines
+                if e.get("policy") in ("balance", "capacity")]
+
+    first, second = events(runs["moe_pp1"]), events(runs["moe_pp2"])
+    assert [e[:3] for e in first] == [e[:3] for e in second] and len(first) >= STEPS  # a bias update every step
+    for a, b in zip(first, second):
+        for name in ("max_vio", "dropped_fraction", "dead_experts"):
+            if name in a[3]:
+                assert b[3][name] == pytest.approx(a[3][name], abs=1e-12), name
 
 
-def test_resume_of_a_pp2_run_is_exact(runs):
-    whole, resumed = train_losses(runs["dense_pp2"]), train_losses(runs["dense_pp2_resumed"])
-    assert [resumed[s] for s in (4, 5, 6)] == [whole[s] for s in (4, 5, 6)]
+def test_pp2_by_dp2_by_ep2_on_four_processes_matches_dp2_by_ep2(runs):
+    worst = assert_same_losses(runs["moe_dp2_ep2"], runs["moe_pp2_dp2_ep2"])
+    print(f"moe pp2 x dp2 x ep2 vs dp2 x ep2: max |loss difference| = {worst:.3g}")
+    one, four = records(runs["moe_dp2_ep2"], "train"), records(runs["moe_pp2_dp2_ep2"], "train")
+    assert [r["expert_counts"] for r in one] == [r["expert_counts"] for r in four]
+    start = records(runs["moe_pp2_dp2_ep2"], "start")[0]
+    assert (start["world_size"], start["knobs"]["pp_size"], start["knobs"]["ep_size"]) == (4, 2, 2)
+
+
+def test_init_from_loads_into_a_pipeline_with_tied_embeddings(runs):
+    """Both the four- and the two-process run started from the tied copy of the MoE pp 1 export: each weight ends
+    within four Adam steps of it (at most 6e-3 of learning rate in all; a fresh init differs by ~0.1), and the
+    exports keep the head tied to the embedding."""
+    init = load_file(runs["tied_init"] / "model.safetensors")
+    assert "--init-from" in runs["done"]["moe_pp2_dp2_ep2"].stderr and "tensors loaded" in \
+        runs["done"]["moe_pp2_dp2_ep2"].stderr
+    one = load_file(runs["moe_dp2_ep2"] / "hf" / "model.safetensors")
+    four = load_file(runs["moe_pp2_dp2_ep2"] / "hf" / "model.safetensors")
+    assert sorted(one) == sorted(four) == sorted(init) and "lm_head.weight" not in four
+    assert any("experts" in key for key in four)  # both stages' experts, gathered over the replicas
+    for key in one:
+        torch.testing.assert_close(four[key], one[key], rtol=1e-4, atol=2e-5)
+        assert (four[key] - init[key]).abs().max() < 0.012, key
+    for name in ("moe_dp2_ep2", "moe_pp2_dp2_ep2"):
+        assert json.loads((runs[name] / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_a_killed_pp2_run_resumes_bitwise(runs):
+    done = runs["done"]
+    assert done["killed"].returncode != 0 and "SIGKILL" in tail(done["killed"], 20000)
+    saved = json.loads((runs["killed"] / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
+    assert saved["step"] == 2 and saved["samples_seen"] == [2 * 8, 2 * 8]  # both stages read the same samples
+    starts = records(runs["killed"], "start")
+    assert [s["step"] for s in starts] == [0, 2] and starts[1]["resumed_from"].endswith("step_00000002")
+    whole, resumed = records(runs["dense_pp2"], "train"), records(runs["killed"], "train")
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    assert [(r["loss"], r["lr"], r["tokens_seen"]) for r in resumed] == \
+           [(r["loss"], r["lr"], r["tokens_seen"]) for r in whole]  # bitwise
+    assert records(runs["killed"], "eval")[-1]["eval_loss"] == records(runs["dense_pp2"], "eval")[-1]["eval_loss"]
 
 
 @pytest.mark.parametrize("arch", ["dense", "moe"])
