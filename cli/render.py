@@ -255,9 +255,13 @@ def knobs_table(p: Plan) -> Table:
                  ("expert-parallel size", s.ep_size if spec.is_moe else "-")):
         knobs.add_row(k, str(v))
     # shown only where used, so data-parallel plans read as before
-    for k, v, used in (("tensor-parallel size (AutoTP)", s.tp_size, s.tp_size > 1),
+    bubble = c.throughput.pipeline_bubble_fraction
+    for k, v, used in (("tensor-parallel size" + (" (in each stage)" if s.pp_size > 1 else " (AutoTP)"), s.tp_size,
+                        s.tp_size > 1),
                        ("sequence-parallel size (Ulysses)", s.sp_size, s.sp_size > 1),
-                       ("data-parallel replicas", s.dp_size, s.tp_size * s.sp_size > 1),
+                       ("pipeline stages (pp)", f"{s.pp_size} ({c.grad_accum} micro-batches per step, bubble "
+                        f"{bubble:.1%})", s.pp_size > 1),
+                       ("data-parallel replicas", s.dp_size, s.tp_size * s.sp_size * s.pp_size > 1),
                        ("ZeRO++", zeropp(s), s.zero_hpz > 1 or s.zero_quantized_weights or s.zero_quantized_gradients)):
         if used:
             knobs.add_row(k, str(v))
@@ -279,7 +283,9 @@ def speed_table(p: Plan) -> Table:
                   f"{t.comm_seconds:.2f} of {t.comm_total_seconds:.2f}, "
                   f"all-to-all {t.alltoall_seconds:.2f}, offload {t.offload_seconds:.2f}"
                   + (f", TP all-reduce {t.tp_allreduce_seconds:.2f}" if s.tp_size > 1 else "")
-                  + (f", SP all-to-all {t.sp_alltoall_seconds:.2f}" if s.sp_size > 1 else "") + ")")
+                  + (f", SP all-to-all {t.sp_alltoall_seconds:.2f}" if s.sp_size > 1 else "")
+                  + (f", pipeline bubble {t.pipeline_bubble_seconds:.2f}, stage sends {t.pipeline_p2p_seconds:.2f}"
+                     if s.pp_size > 1 else "") + ")")
     speed.add_row("training tokens", f"{human(p.train_tokens)}"
                   + ("" if req.train_tokens else " (20 x active params)"))
     speed.add_row("time", duration(p.hours))

@@ -65,13 +65,14 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
     optimizer = check_optimizer(optimizer) if optimizer else None
     ds = None
     if ds_config:
-        from adaptive.plan.ds_config.reader import merge_ds_pins, merge_parallel_pins, read
+        from adaptive.plan.ds_config.reader import merge_ds_pins, merge_parallel_pins, merge_pp_pin, read
 
         ds = read(ds_config, spec.hidden_size)
         merged = merge_ds_pins(ds, zero=zero, offload=offload, micro_batch=micro_batch, grad_accum=grad_accum,
                                optimizer=optimizer, global_batch_tokens=global_batch_tokens, seq_len=seq_len)
         zero, offload, micro_batch, grad_accum, optimizer, global_batch_tokens = merged
         sp_size, tp_size, zero_hpz, zero_quantize = merge_parallel_pins(ds, sp_size, tp_size, zero_hpz, zero_quantize)
+        pp_size = merge_pp_pin(ds, pp_size)
     activations, run, source = None, None, None
     if calibrate:
         from adaptive.plan.estimate.calibration import load as load_calibration
@@ -145,4 +146,4 @@ def request_from_config(config: RunConfig, *, model: str = "b7", calibrate: str 
         optimizer=config.optimizer.optimizer, attention=m.attention, ds_config=par.ds_config,
         kernels=m.kernels, checkpoint_policy=config.checkpointing.checkpoint_policy, sp_size=par.sp_size,
         tp_size=par.tp_size, zero_hpz=par.zero_hpz, zero_quantize=par.zero_quantize, loss_law=config.quality.loss_law,
-        dataset_tokens=config.quality.dataset_tokens, lr=config.optimizer.lr)
+        dataset_tokens=config.quality.dataset_tokens, lr=config.optimizer.lr, pp_size=par.pp_size)

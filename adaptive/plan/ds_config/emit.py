@@ -69,7 +69,15 @@ def ds_config(setup: TrainSetup, grad_accum: int, gpu: GPU) -> dict:
         # Ulysses: DeepSpeedConfig divides the world by it when no mpu is given (runtime/config.py:468);
         # UlyssesSPAttentionHF.register_with_transformers takes the same size
         cfg["sequence_parallel_size"] = setup.sp_size
-    if setup.tp_size > 1:
+    if setup.pp_size > 1:
+        # the pipeline engine: m = gradient_accumulation_steps micro-batches per step (pipe/engine.py:93). The stage
+        # count and partition method are PipelineModule arguments (pipe/module.py:125-133), declared in DeepSpeed's
+        # config section too (runtime/config.py:274-281), where our reader takes stages as the plan's pin. No
+        # tensor_parallel section: AutoTP's (dp, tp) mesh spans the whole world and fails the engine's
+        # data-parallel check (pipe/engine.py:103); tensor parallelism inside a stage runs on the topology's
+        # model axis (PipeModelDataParallelTopology), whose size is the plan's tp_size
+        cfg["pipeline"] = {"stages": setup.pp_size, "partition": "parameters"}
+    elif setup.tp_size > 1:
         # AutoTP training (runtime/tensor_parallel/config.py TPTrainingConfig); deepspeed.initialize shards
         cfg["tensor_parallel"] = {"autotp_size": setup.tp_size}
     if gpu.bf16:
@@ -174,6 +182,10 @@ def candidate_dict(c: Candidate) -> dict:
         "ep_size": s.ep_size,
         "tp_size": s.tp_size,
         "sp_size": s.sp_size,
+        "pp_size": s.pp_size,
+        "pipeline_bubble_fraction": t.pipeline_bubble_fraction,
+        "pipeline_p2p_bytes_per_micro_batch": (2 * s.micro_batch_size * s.seq_len * s.spec.hidden_size
+                                               * s.bytes_per_param if s.pp_size > 1 else 0),
         "dp_size": s.dp_size,
         "zero_hpz": s.zero_hpz,
         "zero_quantized_weights": s.zero_quantized_weights,
@@ -196,7 +208,9 @@ def candidate_dict(c: Candidate) -> dict:
         "step_seconds": t.step_seconds,
         "step_breakdown_seconds": {"compute": t.compute_seconds, "data_parallel_comm": t.comm_seconds,
                                    "tp_allreduce": t.tp_allreduce_seconds, "sp_alltoall": t.sp_alltoall_seconds,
-                                   "moe_alltoall": t.alltoall_seconds, "offload": t.offload_seconds},
+                                   "moe_alltoall": t.alltoall_seconds, "offload": t.offload_seconds,
+                                   "pipeline_bubble": t.pipeline_bubble_seconds,
+                                   "pipeline_p2p": t.pipeline_p2p_seconds},
         "data_parallel_comm_total_seconds": t.comm_total_seconds,
     }
 
@@ -315,10 +329,16 @@ def ds_config_dict(plan: Plan) -> dict | None:
 
 PARALLELISM_ASSUMPTIONS = (
     "data parallel with ZeRO, expert parallel (MoE), AutoTP tensor parallel inside a node, Ulysses sequence "
-    "parallel and ZeRO++, as DeepSpeed 0.19.8 runs them; no pipeline parallelism (so no pipeline bubble): "
-    "DeepSpeed's pipeline engine needs a PipelineModule, which transformers models are not. AutoTP's "
-    "all-reduces and Ulysses' all-to-alls are not overlapped with compute; ZeRO's collectives are, as "
-    "overlap_comm and ZeRO-3 prefetch schedule them (adaptive.plan.estimate.throughput)")
+    "parallel, ZeRO++ and pipeline parallel (DeepSpeed's pipeline engine on our models as a PipelineModule, "
+    "ZeRO-1 at most, tensor parallel inside a stage), as DeepSpeed 0.19.8 runs them. AutoTP's all-reduces and "
+    "Ulysses' all-to-alls are not overlapped with compute; ZeRO's collectives are, as overlap_comm and ZeRO-3 "
+    "prefetch schedule them. A pipeline runs DeepSpeed's non-interleaved 1F1B schedule: (m + p - 1) slots of "
+    "the slowest stage's forward and backward of one micro-batch (m = gradient accumulation steps), so a "
+    "bubble of (p - 1)/(m + p - 1); the sends between stages (micro-batch x sequence x hidden, forward and "
+    "backward, 1/tp per TP rank; inter-node when the pipeline spans nodes) block and are not overlapped; each "
+    "stage's gradient all-reduce runs after the last backward, not overlapped; stages are split by parameters "
+    "(DeepSpeed's default), the peak memory is the worst stage's, with min(p - s, m) micro-batches of "
+    "activations in flight on stage s (adaptive.plan.estimate.pipeline, throughput)")
 
 
 def assumptions(plan: Plan) -> dict:

@@ -34,7 +34,7 @@ DS_DEFAULT_PREFETCH_ELEMENTS = 50_000_000  # stage3_prefetch_bucket_size default
 HANDLED = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
            "zero_optimization", "optimizer", "bf16", "fp16", "gradient_clipping", "scheduler",
            "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
-           "zero_force_ds_cpu_optimizer", "sequence_parallel_size", "tensor_parallel"}
+           "zero_force_ds_cpu_optimizer", "sequence_parallel_size", "tensor_parallel", "pipeline"}
 # ZeRO++ keys: DeepSpeed reads them under ZeRO-3 only (partition_parameters.py, stage3.py)
 ZEROPP_KEYS = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients")
 ZERO_HANDLED = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "allgather_bucket_size",
@@ -68,6 +68,7 @@ class DsConfigInput:
     zero_hpz: int | None = None  # zero_optimization.zero_hpz_partition_size (ZeRO-3)
     zero_quantized_weights: bool | None = None
     zero_quantized_gradients: bool | None = None
+    pp_size: int | None = None  # pipeline.stages
 
     def overlap_for(self, stage: int) -> bool:
         return self.overlap_comm if self.overlap_comm is not None else stage == 3
@@ -146,6 +147,7 @@ def pins(data: dict[str, Any]) -> dict[str, Any]:
     layout = {"sp_size": data.get("sequence_parallel_size"),
               "tp_size": (data.get("tensor_parallel") or {}).get("autotp_size"),
               "zero_hpz": zero.get("zero_hpz_partition_size")}
+    layout["pp_size"] = (data.get("pipeline") or {}).get("stages")
     out.update({k: int(v) for k, v in layout.items() if v not in (None, AUTO)})
     if out.get("tp_size") == 0:
         out["tp_size"] = 1
@@ -258,6 +260,17 @@ def parse(data: Any, path: str, hidden_size: int) -> DsConfigInput:
                 parallel[knob] = value
                 sources.append((knob, f"zero_optimization.{key} = {zero[key]}"))
 
+    # DeepSpeed's config declares pipeline.stages ("auto" by default, runtime/config.py:274-281) but its engine
+    # takes the stage count from the PipelineModule (pipe/module.py:125-183), which our recipes build from the plan:
+    # a number there pins the plan's pipeline. Of the section, the engine reads pipe_partitioned, grad_partitioned
+    # (pipe/engine.py:135-138) and activation_checkpoint_interval (:217); the planner models the first two's
+    # defaults (on) and not the third.
+    pipe = data.get("pipeline") or {}
+    if pipe.get("stages", AUTO) != AUTO:
+        parallel["pp_size"] = _int("pipeline.stages", pipe["stages"], auto_ok=False)
+        sources.append(("pp_size", f"pipeline.stages = {pipe['stages']}"))
+    ignored += [f"pipeline.{k}" for k in pipe if k not in ("stages", "partition", "pipe_partitioned", "grad_partitioned")
+                or (k in ("pipe_partitioned", "grad_partitioned") and pipe[k] is not True)]
     bf16, fp16 = _enabled(data.get("bf16")), _enabled(data.get("fp16"))
     precision = "bf16" if bf16 else "fp16" if fp16 else None
     return DsConfigInput(path=path, zero_stage=stage, offload=offload, micro_batch_size=micro, grad_accum=accum,
@@ -330,10 +343,19 @@ def merge_parallel_pins(ds: DsConfigInput, sp_size: int | None, tp_size: int | N
             zero_quantize if zero_quantize is not None else file_quant)
 
 
+def merge_pp_pin(ds: DsConfigInput, pp_size: int | None) -> int | None:
+    """The file's pipeline.stages fills a free --pp-size; a flag that contradicts it is an error."""
+    if pp_size is not None and ds.pp_size is not None and pp_size != ds.pp_size:
+        raise AdaptiveError(f"--pp-size {pp_size} contradicts {ds.path} (pipeline.stages = {ds.pp_size}); "
+                            "drop the flag or edit the file")
+    return pp_size if pp_size is not None else ds.pp_size
+
+
 def read(path: str, hidden_size: int) -> DsConfigInput:
     """Load, check and parse a DeepSpeed JSON (--ds-config); AdaptiveError when it cannot be used."""
     return parse(load(path), str(path), hidden_size)
 
 
-__all__ = ["ZERO_QUANTIZE", "DsConfigInput", "drivers", "load", "merge_ds_pins", "merge_parallel_pins", "offload_pin",
+__all__ = ["ZERO_QUANTIZE", "DsConfigInput", "drivers", "load", "merge_ds_pins", "merge_parallel_pins", "merge_pp_pin",
+           "offload_pin",
            "parse", "pins", "read"]

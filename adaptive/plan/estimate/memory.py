@@ -15,10 +15,13 @@ from adaptive.errors import AdaptiveError
 from adaptive.plan.estimate.activations import (
     activation_bytes,
     backward_peak_bytes,
+    head_bytes,
     loss_saved_bytes_per_token,
     loss_working_bytes,
 )
 from adaptive.plan.estimate.attention import eager_extra_saved_bytes, eager_recompute_bytes
+from adaptive.plan.estimate.pipeline import in_flight
+from adaptive.plan.estimate.pipeline import partition as partition_stages
 from adaptive.plan.estimate.optimizers import step_transient_bytes
 from adaptive.plan.estimate.parallel import tp_activation_factor, tp_sharded_params
 from adaptive.plan.architecture.params import ParamCounts, count_params
@@ -76,6 +79,7 @@ class TrainSetup:
     # beyond data parallelism (parallel.py): GPUs per model replica are tp x sp; ZeRO++ on ZeRO-3
     tp_size: int = 1  # AutoTP
     sp_size: int = 1  # Ulysses sequence parallel
+    pp_size: int = 1  # pipeline stages (DeepSpeed's pipeline engine, pipeline.py); micro-batches per step = accumulation
     zero_hpz: int = 1  # zero_hpz_partition_size (1: off)
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
@@ -93,14 +97,16 @@ class TrainSetup:
 
     @property
     def dp_size(self) -> int:
-        """Model replicas: each takes its own sequences; an SP group shares one sequence, a TP group one batch."""
-        return self.world_size // (self.tp_size * self.sp_size)
+        """Model replicas: each takes its own sequences; an SP group shares one sequence, a TP group one batch, a
+        pipeline's stages one model."""
+        return self.world_size // (self.tp_size * self.sp_size * self.pp_size)
 
     @property
     def zero_group_size(self) -> int:
         """GPUs ZeRO partitions over: data and sequence parallel ranks hold the same parameters
-        (engine.py: dp_process_group=self.seq_data_parallel_group), TP ranks different shards."""
-        return self.world_size // self.tp_size
+        (engine.py: dp_process_group=self.seq_data_parallel_group), TP ranks different shards, pipeline stages
+        different layers (a stage's ZeRO-1 partitions over its own data-parallel group)."""
+        return self.world_size // (self.tp_size * self.pp_size)
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -151,13 +157,14 @@ def _sizes(setup: TrainSetup, c: ParamCounts) -> tuple[float, float]:
     """
     dense = c.total - c.expert
     local = dense + c.expert / setup.ep_size
-    partition = c.total / setup.world_size
+    world = setup.world_size // setup.pp_size  # a pipeline stage's GPUs hold its layers (c: the stage's counts)
+    partition = c.total / world
     if setup.tp_size > 1:
         # AutoTP shards every linear and embedding (experts' linears too); the norms stay whole on each TP
         # rank. ZeRO then partitions each rank's share over world/tp GPUs: P/world, plus the norm copies.
         replicated = c.total - tp_sharded_params(setup.spec, c.total)
         local = (local - replicated) / setup.tp_size + replicated
-        partition = (c.total + replicated * (setup.tp_size - 1)) / setup.world_size
+        partition = (c.total + replicated * (setup.tp_size - 1)) / world
     return local, partition
 
 
@@ -252,12 +259,9 @@ def reduce_bucket_bytes(setup: TrainSetup, counts: ParamCounts | None = None) ->
 
 
 def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
-    """The per-GPU peak of a training step, its parts, and when it happens."""
+    """The per-GPU peak of a training step, its parts, and when it happens. Under pipeline parallelism, the
+    worst stage's (pipeline.py): its own layers' model states, and its micro-batches in flight."""
     counts = count_params(setup.spec)
-    local, partition = _sizes(setup, counts)
-    parts = model_state_bytes(setup, counts)
-    offload = setup.offload_optimizer
-    parts["zero3_grad_partition"] = int(2 * partition) if setup.zero_stage == 3 and not offload else 0
     ckpt = setup.gradient_checkpointing
     policy = setup.checkpointing
     if setup.calibration is not None and policy not in ("off", "full"):
@@ -293,8 +297,41 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
         if kept < 1:
             scores_recompute = eager_recompute_bytes(setup.spec, setup.seq_len, setup.micro_batch_size) // split
         scores_saved = int(kept * eager_extra_saved_bytes(setup.spec, setup.seq_len, setup.micro_batch_size) / split)
+    if setup.pp_size == 1:
+        return _assemble(setup, counts, saved, backward_peak, scores_saved, scores_recompute, True)
+    # a stage holds its blocks' share of a micro-batch's activations for each micro-batch in flight; the head's
+    # (final norm, head input, the loss's own) only on the last stage, which has one in flight
+    head = min(saved, head_bytes(setup.spec, local_seq, setup.micro_batch_size, setup.kernels))
+    layers, extra = saved - head, backward_peak - saved
+    worst = None
+    for stage in partition_stages(setup.spec, setup.pp_size):
+        share = stage.blocks / setup.spec.num_hidden_layers
+        held = in_flight(stage.index, setup.pp_size, setup.gradient_accumulation_steps)
+        stage_saved = int(layers * share * held) + (head if stage.head else 0)
+        stage_counts = replace(counts, total=stage.params, expert=stage.expert_params)
+        est = _assemble(setup, stage_counts, stage_saved, stage_saved + extra, int(scores_saved * share * held),
+                        scores_recompute, stage.head)
+        if worst is None or est.peak_gpu_bytes > worst.peak_gpu_bytes:
+            worst = est
+    assert worst is not None
+    return worst
+
+
+def _assemble(setup: TrainSetup, counts: ParamCounts, saved: int, backward_peak: int, scores_saved: int,
+              scores_recompute: int, has_loss: bool) -> MemoryEstimate:
+    """The parts and the peak, given the activations one GPU holds (`counts`: the parameters it holds a share of)."""
+    local, partition = _sizes(setup, counts)
+    parts = model_state_bytes(setup, counts)
+    offload = setup.offload_optimizer
+    parts["zero3_grad_partition"] = int(2 * partition) if setup.zero_stage == 3 and not offload else 0
+    local_seq = setup.seq_len // setup.sp_size
+    tokens = local_seq * setup.micro_batch_size
+
     parts["attention_scores"] = scores_saved
-    if setup.kernels == "plain":
+    if not has_loss:  # a pipeline stage before the last: no head, no loss
+        loss = 0
+        parts["activations"] = saved
+    elif setup.kernels == "plain":
         # the loss keeps its fp32 log-softmax for backward; its backward working set is in the transient
         loss = min(saved, tokens * loss_saved_bytes_per_token(setup.spec, "plain"))
         parts["activations"] = saved - loss

@@ -3,8 +3,8 @@ parallel (TP) and ZeRO++ (hpZ, qwZ, qgZ). What combines, what each holds per GPU
 
 The rules below are read from DeepSpeed 0.19.8's source (docs/DESIGN.md, "Parallelism DeepSpeed
 combines", gives the file:line of each); a pinned combination DeepSpeed refuses, or does not compose,
-is one line naming the limit. No pipeline parallelism: DeepSpeed's pipeline engine needs a
-PipelineModule, which HF models are not, so a plan has no pipeline bubble.
+is one line naming the limit. Pipeline parallelism (DeepSpeed's pipeline engine on our models as a
+PipelineModule) is modelled in pipeline.py; its rules are here.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ class Layout:
     hpz: int = 1  # zero_hpz_partition_size: 1 is off
     qwz: bool = False  # zero_quantized_weights
     qgz: bool = False  # zero_quantized_gradients
+    pp: int = 1  # pipeline stages (pipeline.py)
 
     @property
     def degree(self) -> int:
-        return self.tp * self.sp
+        return self.tp * self.sp * self.pp
 
     @property
     def zeropp(self) -> bool:
@@ -74,6 +75,8 @@ def layout_error(spec: ModelSpec, layout: Layout, *, world: int, gpus_per_node: 
                  zero_stage: int | None, ep_size: int | None) -> str | None:
     """Why DeepSpeed cannot run this layout, in one line; None when it can."""
     tp, sp, hpz = layout.tp, layout.sp, layout.hpz
+    if layout.pp > 1 and (err := pp_error(spec, layout, world=world, zero_stage=zero_stage)):
+        return err
     if world % (tp * sp):
         return f"the number of GPUs ({world}) must be divisible by --tp-size x --sp-size ({tp} x {sp})"
     if tp > 1 and sp > 1:
@@ -100,9 +103,10 @@ def layout_error(spec: ModelSpec, layout: Layout, *, world: int, gpus_per_node: 
             return err
         if seq_len % sp:
             return f"--seq-len ({seq_len}) must be divisible by --sp-size ({sp}) (ulysses_sp.py:707)"
-    if spec.is_moe and ep_size and (world // (tp * sp)) % ep_size:
-        return (f"ep_size ({ep_size}) must divide the data-parallel size {world // (tp * sp)} "
-                f"(GPUs / (tp x sp)): DeepSpeed MoE builds expert groups inside data-parallel groups")
+    if spec.is_moe and ep_size and (world // layout.degree) % ep_size:
+        where = "GPUs / (tp x pp)" if layout.pp > 1 else "GPUs / (tp x sp)"
+        return (f"ep_size ({ep_size}) must divide the data-parallel size {world // layout.degree} "
+                f"({where}): DeepSpeed MoE builds expert groups inside data-parallel groups")
     if layout.zeropp:
         knobs = ", ".join(k for k, on in (("--zero-hpz", hpz > 1), ("qwZ", layout.qwz), ("qgZ", layout.qgz)) if on)
         if spec.is_moe:
@@ -118,6 +122,25 @@ def layout_error(spec: ModelSpec, layout: Layout, *, world: int, gpus_per_node: 
     if layout.qgz and tp > 1:
         # coalesced_collectives.py all_to_all_quant_reduce: its 2-stage all-to-all spans the whole world
         return f"qgZ with --tp-size {tp}: DeepSpeed's quantized gradient all-to-all spans all GPUs, not the ZeRO group"
+    return None
+
+
+def pp_error(spec: ModelSpec, layout: Layout, *, world: int, zero_stage: int | None) -> str | None:
+    """What DeepSpeed 0.19.8's pipeline engine refuses or cannot compose (docs/DESIGN.md gives the file:line)."""
+    pp, tp, sp = layout.pp, layout.tp, layout.sp
+    if zero_stage is not None and zero_stage >= 2:
+        return (f"--zero {zero_stage} with --pp-size {pp}: DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3 "
+                "(runtime/pipe/engine.py:76); use --zero 1")
+    if world % (pp * tp * sp):
+        return f"the number of GPUs ({world}) must be divisible by --pp-size x --tp-size ({pp} x {tp})"
+    if pp > spec.num_hidden_layers:
+        return f"--pp-size ({pp}) must not exceed the decoder layers ({spec.num_hidden_layers}): a stage per block at most"
+    if sp > 1:
+        # Ulysses builds its (dp, sp) mesh over the whole world (sequence_parallel/parallel_state_sp.py), blind to
+        # the pipeline's stages
+        return f"--sp-size {sp} with --pp-size {pp}: DeepSpeed 0.19.8 does not compose Ulysses SP with its pipeline engine"
+    if layout.zeropp:
+        return f"ZeRO++ with --pp-size {pp}: ZeRO++ is ZeRO-3 only, which the pipeline engine refuses"
     return None
 
 
@@ -163,7 +186,7 @@ def sp_alltoall_bytes_per_layer(spec: ModelSpec, local_tokens: int, sp: int, byt
     return 2 * local_tokens * (q + 2 * kv + q) * bytes_per_value
 
 
-__all__ = ["Layout", "QGZ_BYTES_PER_PARAM", "QWZ_BYTES_PER_PARAM", "divisors_up_to", "expert_tp_bytes_per_moe_layer",
+__all__ = ["Layout", "pp_error", "QGZ_BYTES_PER_PARAM", "QWZ_BYTES_PER_PARAM", "divisors_up_to", "expert_tp_bytes_per_moe_layer",
            "layout_error",
            "sp_alltoall_bytes_per_layer", "sp_heads_error", "tp_activation_factor", "tp_allreduce_bytes_per_layer",
            "tp_sharded_params"]

@@ -22,6 +22,8 @@ from adaptive.plan.architecture.blocks import block_type
 from adaptive.plan.hardware.figures import NCCL_BUS_EFFICIENCY
 from adaptive.plan.hardware.gpus import GPU, figures
 from adaptive.plan.estimate.memory import TrainSetup, reduce_bucket_elements
+from adaptive.plan.estimate.pipeline import bubble_fraction, p2p_bytes_per_micro_batch
+from adaptive.plan.estimate.pipeline import partition as stages_of
 from adaptive.plan.estimate.parallel import (QGZ_BYTES_PER_PARAM, QWZ_BYTES_PER_PARAM, expert_tp_bytes_per_moe_layer,
                                     sp_alltoall_bytes_per_layer, tp_allreduce_bytes_per_layer, tp_sharded_params)
 from adaptive.plan.architecture.params import count_params, expert_params, layer_params, mod_router_params
@@ -54,6 +56,9 @@ class Throughput:
     comm_total_seconds: float = 0.0  # all data-parallel collective time, hidden or not
     tp_allreduce_seconds: float = 0.0  # AutoTP's per-layer all-reduces (critical path)
     sp_alltoall_seconds: float = 0.0  # Ulysses' per-layer all-to-alls (critical path)
+    pipeline_bubble_seconds: float = 0.0  # the (p - 1) idle slots of DeepSpeed's 1F1B schedule
+    pipeline_p2p_seconds: float = 0.0  # blocking activation/gradient sends between stages (critical path)
+    pipeline_bubble_fraction: float = 0.0  # (p - 1)/(m + p - 1)
 
 
 @lru_cache(maxsize=1024)
@@ -63,8 +68,14 @@ def model_flops_per_token(s: ModelSpec, seq_len: int) -> float:
     MoE counts the top-k experts; a MoD-routed block runs for a fraction c of tokens, and its
     attention spans ceil(c·s) tokens. The input embedding is a lookup and costs nothing.
     """
+    return 6.0 * s.vocab_size * s.hidden_size + sum(layer_flops_per_token(s, seq_len))  # LM head (tied or not)
+
+
+@lru_cache(maxsize=1024)
+def layer_flops_per_token(s: ModelSpec, seq_len: int) -> tuple[float, ...]:
+    """Each decoder layer's model FLOPs per token (model_flops_per_token's terms)."""
     width = s.num_attention_heads * s.head_dim
-    flops = 6.0 * s.vocab_size * s.hidden_size  # LM head (tied or not)
+    out = []
     for t in s.layer_types:
         _, active, _ = layer_params(s, t)
         matmul = active - 2 * s.hidden_size  # RMSNorm weights do no matmul
@@ -72,10 +83,10 @@ def model_flops_per_token(s: ModelSpec, seq_len: int) -> float:
             k = math.ceil(s.mod_capacity * seq_len)
             frac = k / seq_len
             router = mod_router_params(s)
-            flops += 6.0 * router + frac * 6.0 * (matmul - router) + frac * 12.0 * k * width
+            out.append(6.0 * router + frac * 6.0 * (matmul - router) + frac * 12.0 * k * width)
         else:
-            flops += 6.0 * matmul + 12.0 * seq_len * width
-    return flops
+            out.append(6.0 * matmul + 12.0 * seq_len * width)
+    return tuple(out)
 
 
 def recompute_fraction(s: ModelSpec, checkpointing: bool | str) -> float:
@@ -207,6 +218,44 @@ def model_parallel_comm(setup: TrainSetup, gpu: GPU, grad_accum: int) -> tuple[f
     return tp_s, sp_s
 
 
+def slowest_stage_share(s: ModelSpec, seq_len: int, pp: int, hw_layers: float, hw_total: float) -> float:
+    """The slowest pipeline stage's share of a token's hardware FLOPs: its blocks' share of the layers' FLOPs
+    (recompute included, `hw_layers`), plus the head's on the last stage. The embedding is a lookup."""
+    per_layer = layer_flops_per_token(s, seq_len)
+    layers = sum(per_layer)
+    head = hw_total - hw_layers
+
+    def flops(st) -> float:
+        return hw_layers * sum(per_layer[st.first_block:st.stop_block]) / layers + (head if st.head else 0.0)
+
+    return max(flops(st) for st in stages_of(s, pp)) / hw_total
+
+
+def p2p_seconds_per_micro_batch(setup: TrainSetup, gpu: GPU) -> float:
+    """A stage's blocking sends for one micro-batch: its activation forward and its input's gradient back, each
+    1/tp per TP rank (pipe_partitioned) then all-gathered inside the TP group; on the inter-node link when the
+    pipeline spans nodes (its stages are consecutive blocks of ranks, topology.py axes pipe, data, model)."""
+    act = p2p_bytes_per_micro_batch(setup.spec, setup.seq_len, setup.micro_batch_size, setup.bytes_per_param)
+    t = setup.tp_size
+    link = gpu.link_gbps if setup.num_nodes == 1 else min(gpu.link_gbps, figures(gpu.name).inter_node_gbps)
+    send = 2 * act / t / (link * NCCL_BUS_EFFICIENCY * 1e9)
+    gather = 2 * act * (t - 1) / t / (intra_node_gbps(gpu) * 1e9) if t > 1 else 0.0
+    return send + gather
+
+
+def pipeline_allreduce_seconds(setup: TrainSetup, gpu: GPU) -> float:
+    """The slowest stage's gradient reduction and ZeRO-1 parameter all-gather over its data-parallel group
+    (world / (tp x pp) GPUs, strided inside the stage's consecutive ranks), after the pipeline drains."""
+    n = setup.zero_group_size
+    if n == 1:
+        return 0.0
+    st = max(stages_of(setup.spec, setup.pp_size), key=lambda x: x.params)
+    local = st.params - st.expert_params + st.expert_params / setup.ep_size
+    p16 = local / setup.tp_size * setup.bytes_per_param
+    gbps = collective_gbps(gpu, setup, setup.world_size // setup.pp_size) * 1e9
+    return 2 * (n - 1) / n * p16 / gbps
+
+
 def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float | None = None) -> Throughput:
     s = setup.spec
     counts = count_params(s)
@@ -250,7 +299,19 @@ def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float
         adam = counts.total / setup.num_nodes / CPU_ADAM_PARAMS_PER_S
         offload = copies + adam
 
-    step = compute + comm + tp_comm + sp_comm + alltoall + offload
+    bubble = p2p = 0.0
+    if setup.pp_size > 1:
+        # DeepSpeed's pipeline engine (pipeline.py): each slot is one micro-batch's forward and backward on the
+        # slowest stage, its share of the layers' per-micro-batch times, plus the blocking sends between stages;
+        # (m + p - 1) slots, then the stage's gradient all-reduce, exposed
+        m, p = grad_accum, setup.pp_size
+        share = slowest_stage_share(s, setup.seq_len, p, hw_fpt - 6.0 * s.vocab_size * s.hidden_size, hw_fpt)
+        layer_share = max(st.blocks for st in stages_of(s, p)) / s.num_hidden_layers
+        compute, tp_comm, alltoall = compute * share, tp_comm * layer_share, alltoall * layer_share
+        p2p = m * p2p_seconds_per_micro_batch(setup, gpu)
+        bubble = (p - 1) / m * (compute + tp_comm + alltoall + p2p)
+        comm = comm_total = pipeline_allreduce_seconds(setup, gpu)
+    step = compute + comm + tp_comm + sp_comm + alltoall + offload + bubble + p2p
     tokens_per_second = tokens_step_gpu * setup.dp_size / step
     peak = gpu.peak_tflops * 1e12 * n
     return Throughput(
@@ -267,6 +328,9 @@ def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float
         comm_total_seconds=comm_total,
         tp_allreduce_seconds=tp_comm,
         sp_alltoall_seconds=sp_comm,
+        pipeline_bubble_seconds=bubble,
+        pipeline_p2p_seconds=p2p,
+        pipeline_bubble_fraction=bubble_fraction(setup.pp_size, grad_accum),
     )
 
 

@@ -97,11 +97,12 @@ def request_for(entry: dict) -> FitRequest:
         zero, offload, micro, accum, optimizer, global_tokens = merge_ds_pins(
             ds, zero=zero, offload=offload, micro_batch=micro, grad_accum=accum, optimizer=optimizer,
             global_batch_tokens=global_tokens, seq_len=seq)
-    # a run states its layout: data parallel (tp/sp 1, no ZeRO++) unless its knobs say otherwise; Meta's own
-    # 4D-parallel stacks are left to the planner, which has only DeepSpeed's parallelism to offer
+    # a run states its layout: data parallel (tp/sp/pp 1, no ZeRO++) unless its knobs say otherwise; Meta's own
+    # 4D-parallel stacks are left to the planner, which has only DeepSpeed's parallelism to offer (its pipeline included)
     free = entry["stack_kind"] == "meta"
     return FitRequest(
         sp_size=k.get("sp_size", None if free else 1), tp_size=k.get("tp_size", None if free else 1),
+        pp_size=k.get("pp_size", None if free else 1),
         zero_hpz=k.get("zero_hpz", None if free else 1),
         zero_quantized_weights=k.get("zero_quantized_weights", None if free else False),
         zero_quantized_gradients=k.get("zero_quantized_gradients", None if free else False),

@@ -80,7 +80,7 @@ class FitRequest:
     # beyond data parallelism (DeepSpeed): Ulysses sequence parallel, AutoTP tensor parallel, ZeRO++
     sp_size: int | None = None
     tp_size: int | None = None
-    pp_size: int | None = None
+    pp_size: int | None = None  # DeepSpeed's pipeline engine: stages (estimate/pipeline.py)
     zero_hpz: int | None = None  # zero_hpz_partition_size; 1 is off
     zero_quantized_weights: bool | None = None
     zero_quantized_gradients: bool | None = None
@@ -243,10 +243,11 @@ def validate(req: FitRequest) -> None:
                 raise AdaptiveError(f"the number of GPUs ({req.world_size}) must be divisible by ep_size ({req.ep_size})")
     elif req.ep_size not in (None, 1):
         raise AdaptiveError(f"--ep-size {req.ep_size} needs an MoE model; {s.name} {s.arch} has no experts")
-    for name, value in (("--sp-size", req.sp_size), ("--tp-size", req.tp_size), ("--zero-hpz", req.zero_hpz)):
+    for name, value in (("--sp-size", req.sp_size), ("--tp-size", req.tp_size), ("--zero-hpz", req.zero_hpz),
+                        ("--pp-size", req.pp_size)):
         require_positive(name, value)
     pinned = Layout(tp=req.tp_size or 1, sp=req.sp_size or 1, hpz=req.zero_hpz or 1,
-                    qwz=bool(req.zero_quantized_weights), qgz=bool(req.zero_quantized_gradients))
+                    qwz=bool(req.zero_quantized_weights), qgz=bool(req.zero_quantized_gradients), pp=req.pp_size or 1)
     if err := layout_error(s, pinned, world=req.world_size, gpus_per_node=req.gpus_per_node, seq_len=req.seq_len,
                            zero_stage=req.zero_stage, ep_size=req.ep_size):
         raise AdaptiveError(err)
@@ -316,8 +317,10 @@ def model_parallel_layouts(req: FitRequest) -> list[Layout]:
     """(tp, sp) layouts DeepSpeed can run here, fewest GPUs per replica first; pinned sizes are kept.
     TP stays inside a node; SP up to the attention heads' limit (parallel.py)."""
     tps = [req.tp_size] if req.tp_size else divisors_up_to(req.gpus_per_node, req.gpus_per_node)
-    sps = [req.sp_size] if req.sp_size else divisors_up_to(req.world_size, req.spec.num_attention_heads)
-    out = [Layout(tp=t, sp=p) for t in tps for p in sps if _layout_ok(req, Layout(tp=t, sp=p))]
+    pp = req.pp_size or 1  # the pipeline's stages are searched one size at a time (search)
+    sps = [req.sp_size] if req.sp_size else [1] if pp > 1 else divisors_up_to(req.world_size,
+                                                                            req.spec.num_attention_heads)
+    out = [Layout(tp=t, sp=p, pp=pp) for t in tps for p in sps if _layout_ok(req, Layout(tp=t, sp=p, pp=pp))]
     return sorted(out, key=lambda lay: (lay.degree, lay.sp))  # TP first at a degree: intra-node by construction
 
 
@@ -352,6 +355,8 @@ def zeropp_variants(req: FitRequest, zero: int, layout: Layout) -> list[Layout]:
 
 
 def zero_offload_candidates(req: FitRequest) -> list[tuple[int, str]]:
+    if (req.pp_size or 1) > 1:  # DeepSpeed's pipeline engine: ZeRO-1 at most (pipe/engine.py:76); no offload searched
+        return [(req.zero_stage if req.zero_stage is not None else 1, req.offload or "none")]
     stages = [req.zero_stage] if req.zero_stage is not None else [0, 1, 2, 3]
     if (req.zero_hpz or 1) > 1 or req.zero_quantized_weights or req.zero_quantized_gradients:
         stages = [3]  # ZeRO++ pinned: only ZeRO-3 runs it
@@ -424,7 +429,7 @@ def _setup_and_memory(spec: ModelSpec, seq: int, micro: int, zero: int, offload:
                        calibration=calibration, gradient_accumulation_steps=accum, optimizer=optimizer,
                        attention=attention, fp16=fp16, kernels=kernels,
                        checkpoint_policy=None if policy in ("off", "full") else policy, tp_size=layout.tp,
-                       sp_size=layout.sp, zero_hpz=layout.hpz, zero_quantized_weights=layout.qwz,
+                       sp_size=layout.sp, pp_size=layout.pp, zero_hpz=layout.hpz, zero_quantized_weights=layout.qwz,
                        zero_quantized_gradients=layout.qgz, **buckets)
     return setup, estimate_memory(setup)
 
@@ -453,11 +458,39 @@ def _preference(c: Candidate) -> tuple:
     lower ZeRO."""
     s = c.setup
     return (round(c.throughput.tokens_per_second, 6), s.micro_batch_size, not s.offload_optimizer,
-            -c.memory.peak_gpu_bytes, -s.zero_stage, -s.ep_size, -s.tp_size * s.sp_size, -s.zero_hpz)
+            -c.memory.peak_gpu_bytes, -s.zero_stage, -s.ep_size, -s.pp_size, -s.tp_size * s.sp_size, -s.zero_hpz)
+
+
+def pp_candidates(req: FitRequest) -> list[int]:
+    """Pipeline sizes to try: each divisor of the GPUs from 2 up to the decoder layers (and 64)."""
+    return [p for p in divisors_up_to(req.world_size, min(req.spec.num_hidden_layers, 64)) if p > 1]
 
 
 def search(req: FitRequest, spec: ModelSpec, global_tokens: int, host_mem: int,
            ckpts: list[str] | None = None) -> tuple[Candidate | None, list[Candidate]]:
+    """The best fitting candidate and everything evaluated. A pinned --pp-size plans that pipeline; unpinned,
+    pipelines are searched too where the world spans nodes (what crosses them is the question) or nothing
+    else fits, and one is chosen only when it is faster than the best layout without one."""
+    pins_refuse_pp = ((req.zero_stage or 0) >= 2 or (req.sp_size or 1) > 1 or (req.zero_hpz or 1) > 1
+                      or req.zero_quantized_weights or req.zero_quantized_gradients)  # parallel.py pp_error
+    if req.pp_size is not None or pins_refuse_pp:
+        return _search_layouts(req if req.pp_size is not None else replace(req, pp_size=1), spec, global_tokens,
+                               host_mem, ckpts)
+    plain, evaluated = _search_layouts(replace(req, pp_size=1), spec, global_tokens, host_mem, ckpts)
+    if req.num_nodes == 1 and plain is not None:
+        return plain, evaluated
+    best = plain
+    for pp in pp_candidates(req):
+        found, more = _search_layouts(replace(req, pp_size=pp), spec, global_tokens, host_mem, ckpts)
+        evaluated += more
+        if found is not None and (best is None or found.throughput.tokens_per_second
+                                  > best.throughput.tokens_per_second):
+            best = found
+    return best, evaluated
+
+
+def _search_layouts(req: FitRequest, spec: ModelSpec, global_tokens: int, host_mem: int,
+                    ckpts: list[str] | None = None) -> tuple[Candidate | None, list[Candidate]]:
     """The best fitting candidate at the longest sequence that fits, and everything evaluated.
 
     At each sequence, model-parallel layouts are tried by degree (tp x sp GPUs per replica), fewest first:
@@ -501,6 +534,8 @@ def search(req: FitRequest, spec: ModelSpec, global_tokens: int, host_mem: int,
             # once model parallelism is needed, larger degrees may pay (less recompute, smaller gathers): every
             # degree inside a node (at most log2 of its GPUs), and beyond it one degree more than the first fit
             first = fitting[0].setup.tp_size * fitting[0].setup.sp_size if fitting else 0
+            if (req.pp_size or 1) > 1:  # a pipeline tries every tensor-parallel size in the node (at most log2 of it)
+                continue
             if fitting and (degree == 1 or i == len(degrees) - 1
                             or (degree >= req.gpus_per_node and first < degree)):
                 return _best_of(fitting), evaluated
@@ -537,7 +572,7 @@ def ladder(req: FitRequest, chosen: Candidate, global_tokens: int, host_mem: int
 
     # the naive rung runs without SP (unless pinned): SP is a remedy of its own, before a shorter sequence
     base = Layout(tp=s.tp_size, sp=req.sp_size or 1, hpz=s.zero_hpz, qwz=s.zero_quantized_weights,
-                  qgz=s.zero_quantized_gradients)
+                  qgz=s.zero_quantized_gradients, pp=s.pp_size)
 
     def step(change: str, spec: ModelSpec, seq: int, ckpt: bool | str, layout: Layout = base) -> LadderStep:
         c = evaluate(req, spec, seq, 1, zero, off, ckpt, s.ep_size if spec.is_moe else 1, global_tokens, host_mem,
@@ -546,6 +581,7 @@ def ladder(req: FitRequest, chosen: Candidate, global_tokens: int, host_mem: int
 
     spec = req.spec
     mp = (f", tp {base.tp}" if base.tp > 1 else "") + (f", sp {base.sp}" if base.sp > 1 else "")
+    mp += f", pp {base.pp}" if base.pp > 1 else ""
     steps = [step(f"naive: micro-batch 1, seq {req.seq_len}, no checkpointing, ZeRO-{zero}"
                   + (f" + offload {off}" if off != "none" else "") + mp, spec, req.seq_len, False)]
     selective = () if req.calibration is not None else SELECTIVE_POLICIES  # calibrated: off and full only
@@ -575,7 +611,7 @@ def sp_rung(req: FitRequest, spec: ModelSpec, base: Layout, peak_at) -> Layout |
     """The OOM ladder's sequence-parallel rung, before a shorter sequence: the smallest SP size that fits at
     micro-batch 1 with checkpointing (else the largest DeepSpeed allows here); None where SP cannot apply
     (pinned, with AutoTP, MoD, or heads that no size above 1 divides)."""
-    if req.sp_size is not None or base.tp > 1 or spec.is_mod:
+    if req.sp_size is not None or base.tp > 1 or base.pp > 1 or spec.is_mod:
         return None
     sizes = [p for p in divisors_up_to(req.world_size, spec.num_attention_heads) if p > base.sp
              and layout_error(spec, replace(base, sp=p), world=req.world_size, gpus_per_node=req.gpus_per_node,
@@ -628,7 +664,7 @@ def what_would_fit(req: FitRequest, global_tokens: int,
     gpu_only = [c for c in (evaluated if evaluated is not None else search_all(req, global_tokens)) if c.fits_gpu]
     free = replace(req, zero_stage=None, offload=None, micro_batch_size=None, grad_accum=None,
                    gradient_checkpointing=None, checkpointing=None, ep_size=None, min_seq_len=None,
-                   tp_size=None, zero_hpz=None, zero_quantized_weights=None, zero_quantized_gradients=None,
+                   tp_size=None, pp_size=1, zero_hpz=None, zero_quantized_weights=None, zero_quantized_gradients=None,
                    sp_size=req.sp_size or 1)  # hints search TP, not SP: the ladder shows the SP rung
     for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
         if n <= req.world_size:
@@ -689,6 +725,7 @@ def describe(c: Candidate) -> str:
     ckpt = {"off": "", "full": ", checkpointing"}.get(s.checkpointing, f", selective checkpointing {s.checkpointing}")
     ep = f", ep_size {s.ep_size}" if s.spec.is_moe else ""
     mp = (f", tp {s.tp_size}" if s.tp_size > 1 else "") + (f", sp {s.sp_size}" if s.sp_size > 1 else "")
+    mp += f", pp {s.pp_size}" if s.pp_size > 1 else ""
     pp = ", ".join(k for k, on in ((f"hpZ {s.zero_hpz}", s.zero_hpz > 1), ("qwZ", s.zero_quantized_weights),
                                    ("qgZ", s.zero_quantized_gradients)) if on)
     mp += f", ZeRO++ {pp}" if pp else ""

@@ -5,7 +5,8 @@ import json
 from deepspeed.runtime.config import DeepSpeedConfig
 
 from adaptive.plan import ARCHS, CATALOG, PRESETS, fit, make_request
-from adaptive.plan.ds_config.emit import ds_config, write_plan_files
+from adaptive.plan.ds_config.emit import ds_config, plan_dict, write_plan_files
+from adaptive.plan.ds_config.reader import parse, pins
 from tests._deepspeed_config import DataParallel, single_process_group  # noqa: F401 (fixture)
 
 
@@ -49,3 +50,21 @@ def test_fp16_with_loss_scaling_on_t4():
     plan = fit(make_request(model="debug", gpu="t4"))
     cfg = ds_config(plan.shown.setup, plan.shown.grad_accum, plan.request.gpu)
     assert cfg["fp16"]["enabled"] and cfg["fp16"]["loss_scale"] == 0 and "bf16" not in cfg
+
+
+def test_a_pipeline_plan_emits_a_config_deepspeed_accepts(single_process_group):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    plan = fit(make_request(model="b7", gpu="h100-80gb", gpus=8, nodes=2, pp_size=4, tp_size=2), suggest=False)
+    s, m = plan.shown.setup, plan.shown.grad_accum
+    cfg = ds_config(s, m, plan.request.gpu)
+    assert cfg["pipeline"] == {"stages": 4, "partition": "parameters"} and "tensor_parallel" not in cfg
+    assert cfg["zero_optimization"]["stage"] <= 1 and cfg["gradient_accumulation_steps"] == m
+    parsed = DeepSpeedConfig(cfg, mpu=DataParallel(s.dp_size))  # the pipeline grid's data-parallel size
+    assert parsed.gradient_accumulation_steps == m and parsed.pipeline["stages"] == 4
+    assert parsed.train_batch_size == s.micro_batch_size * m * 16 // (4 * 2)
+    # the file read back pins the same pipeline
+    assert pins(cfg)["pp_size"] == 4 and parse(cfg, "x", s.spec.hidden_size).pp_size == 4
+    d = plan_dict(plan)
+    assert (d["pp_size"], d["tp_size"], d["dp_size"]) == (4, 2, 2)
+    assert d["pipeline_p2p_bytes_per_micro_batch"] == 2 * s.micro_batch_size * s.seq_len * s.spec.hidden_size * 2

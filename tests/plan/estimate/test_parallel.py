@@ -123,7 +123,7 @@ def test_the_scenario_plans_emit_configs_deepspeed_accepts(single_process_group)
         DeepSpeedConfig(cfg, mpu=DataParallel(s.dp_size))
         d = plan_dict(plan)
         assert (d["tp_size"], d["sp_size"], d["dp_size"]) == (s.tp_size, s.sp_size, s.dp_size)
-        assert "no pipeline parallelism" in d["assumptions"]["parallelism"]
+        assert "bubble of (p - 1)/(m + p - 1)" in d["assumptions"]["parallelism"]
 
 
 # --- what DeepSpeed refuses, in one line --------------------------------------------------------------------

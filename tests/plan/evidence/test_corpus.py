@@ -12,6 +12,12 @@ from adaptive.plan.evidence.corpus import (GPU_HOURS_TOLERANCE, LARGE_GPU_HOURS_
 from adaptive.plan.search.tight import TIGHT_MARGIN
 from tests.conftest import REPO_ROOT
 
+REASON_405B = (
+    "+38%: at sequence 8192 a 405B layer stack fits 80 GB under AutoTP 8 only with full recompute (AutoTP keeps 10/34 "
+    "of a layer's activations whole: no Megatron sequence parallel), which caps MFU at 0.40 x 3/4 = 0.30 before "
+    "communication; Meta's TP 8 x PP 16 ran at 38-43%. DeepSpeed's pipeline does not close the gap: its "
+    "non-interleaved 1F1B at 32 micro-batches over 16 stages idles 15/47 of the step, and the first stages, holding "
+    "up to 16 micro-batches, need full recompute too (test_405b_on_deepspeeds_pipeline_at_metas_layout)")
 CATEGORIES = {"DeepSpeed ZeRO papers and tutorials", "llm-foundry throughput table", "torchtitan performance page",
               "Llama 2 / Llama 3 GPU-hours", "DeepSpeed / transformers OOM reports", "Korthikanti et al. activation formula",
               "MoE training report"}
@@ -61,10 +67,7 @@ def test_gpu_hours_within_15_percent_for_dense_models_up_to_13b(predictions):
 
 @pytest.mark.parametrize("run", [
     "llama2-70b-gpu-hours", "llama3-70b-gpu-hours",
-    pytest.param("llama3.1-405b-gpu-hours", marks=pytest.mark.xfail(strict=True, reason=(
-        "+38%: at sequence 8192 a 405B layer stack fits 80 GB under AutoTP 8 only with full recompute (AutoTP "
-        "keeps 10/34 of a layer's activations whole: no Megatron sequence parallel), which caps MFU at 0.40 x 3/4 "
-        "= 0.30 before communication; Meta's TP 8 x PP 16 ran at 38-43%"))),
+    pytest.param("llama3.1-405b-gpu-hours", marks=pytest.mark.xfail(strict=True, reason=REASON_405B)),
 ])
 def test_meta_70b_and_405b_gpu_hours_within_30_percent_at_their_gpu_counts(predictions, run):
     assert run in LARGE_GPU_HOURS_RUNS
@@ -96,3 +99,35 @@ def test_benchmarks_doc_lists_every_corpus_entry():
     assert "python bench/corpus_table.py" in doc
     missing = [e["id"] for e in load() if e["id"] not in doc]
     assert not missing
+
+
+@pytest.mark.parametrize("run", [
+    "llama3-70b-gpu-hours",
+    pytest.param("llama2-70b-gpu-hours", marks=pytest.mark.xfail(strict=True, reason=(
+        "+27%: Meta's figure implies 46% MFU on A100, above the 43% hardware utilisation assumed for our stack; the "
+        "plan (ZeRO-3, AutoTP 8, every:4 recompute) loses 8% to recompute and 9% to AutoTP's all-reduces. Pipelines "
+        "do not beat it on 2,048 GPUs with half a sequence each: TP 8 x PP 2 runs 8 micro-batches (bubble 1/9) and "
+        "its stage all-reduce is exposed, 0.316 MFU against 0.361"))),
+])
+def test_meta_70b_gpu_hours_within_20_percent_with_pipelines_searched(predictions, run):
+    p = next(p for p in predictions if p.id == run)
+    _, published, predicted, err = figure(p, "GPU-hours")
+    assert abs(err) <= 0.20, (run, published, predicted)
+
+
+def test_405b_on_deepspeeds_pipeline_at_metas_layout(predictions):
+    """Meta's own layout, TP 8 x PP 16 x DP 64, on DeepSpeed's pipeline engine: it plans, and the planner's own
+    choice is at least as fast. Its GPU-hours are far from the published: see REASON_405B."""
+    from dataclasses import replace
+
+    from adaptive.plan.search.planner import fit
+
+    free = next(p for p in predictions if p.id == "llama3.1-405b-gpu-hours")
+    req = replace(free.plan.request, tp_size=8, pp_size=16)
+    plan = fit(req, suggest=False)
+    s = plan.shown.setup
+    assert plan.fits and (s.tp_size, s.pp_size, s.dp_size, plan.shown.grad_accum) == (8, 16, 64, 32)
+    assert free.plan.shown.throughput.tokens_per_second >= plan.shown.throughput.tokens_per_second
+    hours = free.entry["knobs"]["train_tokens"] / plan.shown.throughput.tokens_per_second * req.world_size / 3600
+    err = hours / free.entry["outcome"]["gpu_hours"] - 1
+    assert 0.3 < err < 1.5  # +108% today: the bubble (15/47) and full recompute; a model that fixed either would move it
