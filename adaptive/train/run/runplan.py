@@ -342,8 +342,8 @@ def pipeline_zero(pp: int, zero: int | None, sp: int, tp: int, ep: int | None, a
                             "deepspeed/__init__.py:583); use one of them")
     replicas = world.size // pp
     if ep is not None and ep > 1 and replicas % ep:
-        # DeepSpeed builds each stage's expert groups from its data-parallel ranks (utils/groups.py
-        # _get_expert_parallel_ranks: _ensure_divisibility(dp_world_size, expert_parallel_size_))
+        # DeepSpeed builds each stage's expert groups from its data-parallel ranks, which ep must divide
+        # (utils/groups.py:634, _ensure_divisibility(dp_world_size, expert_parallel_size_))
         raise AdaptiveError(f"--ep-size {ep} with --pp-size {pp}: the experts are split over a stage's {replicas} "
                             f"data-parallel replicas, which {ep} does not divide; nearest that does: "
                             f"{max(d for d in range(1, replicas + 1) if replicas % d == 0 and d <= ep)}")
