@@ -67,6 +67,10 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     ("deepspeed.moe.mappings", "_gather_tokens", "dim"),
     ("deepspeed.moe.layer", "MoE", "__init__(enable_expert_tensor_parallelism)"),
     ("deepspeed.module_inject.layers", "GatherReplacedLayerParams", "__init__(params)"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "clip_fp32_gradients"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "self._global_grad_norm"),
+    ("deepspeed.runtime.utils", "clip_grad_norm_", "mpu"),
+    ("deepspeed.runtime.pipe.topology", "PipelineParallelGrid", "__init__(topology)"),
 )
 
 # The classes, besides tensors and plain containers, that a DeepSpeed + accelerate checkpoint pickles
@@ -229,6 +233,20 @@ def use_pipeline_grid(pp_size: int) -> None:
     groups.mpu = PipelineParallelGrid(topology=topology)
 
 
+def keep_fp32_clip_norm(engine: Any) -> None:
+    """Under ZeRO-0 in fp32 DeepSpeed clips with `clip_grad_norm_` (runtime/engine.py `clip_fp32_gradients`) and
+    drops the norm it returns; keep it as the engine's `_global_grad_norm` (what `get_global_grad_norm` reads, as the
+    ZeRO and 16-bit optimizers set it). For the pipeline engine, which steps inside `train_batch`, where the loop
+    cannot read the gradients before the update; the norm is DeepSpeed's own, over the stages (`mpu`)."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_fp32_gradients() -> None:
+        engine._global_grad_norm = clip_grad_norm_(parameters=engine.module.parameters(),
+                                                   max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+
+    engine.clip_fp32_gradients = clip_fp32_gradients
+
+
 # --- tensor parallelism (AutoTP) with DeepSpeed MoE -----------------------------------------------
 
 
@@ -338,7 +356,8 @@ def moe_timer_seconds(layers: list[Any]) -> tuple[float, float]:
 
 
 __all__ = ["A2A_TIMERS", "CHECKPOINT_CLASSES", "DEEPSPEED_VERSION_READ", "checkpoint_classes", "INTERNALS", "MOE_TIMER",
-           "discard_gradients", "expert_group_line", "expert_parallel_rank", "name_cpu_accelerator", "prints_held",
+           "discard_gradients", "expert_group_line", "expert_parallel_rank", "keep_fp32_clip_norm",
+           "name_cpu_accelerator", "prints_held",
            "shm_comm_op_built_line",
            "moe_layers_with_timers", "moe_param_groups", "moe_timer_seconds", "reported_grad_norm",
            "reports_grad_norm", "sequence_parallel_group", "set_batch_sizes", "start_moe_timers", "stop_moe_timers",

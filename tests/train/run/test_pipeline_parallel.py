@@ -117,6 +117,10 @@ def assert_same_losses(a: Path, b: Path) -> float:
 @pytest.mark.parametrize("arch", ["dense", "moe"])
 def test_pp2_trains_with_the_pp1_losses(runs, arch):
     worst = assert_same_losses(runs[f"{arch}_pp1"], runs[f"{arch}_pp2"])
+    for a, b in zip(records(runs[f"{arch}_pp1"], "train"), records(runs[f"{arch}_pp2"], "train")):
+        # the gradients too (AdamW would hide a constant factor in the losses): DeepSpeed's clipping norm over the
+        # stages against the loop's own norm of one whole model
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=RELATIVE), (a["step"], a["grad_norm"], b["grad_norm"])
     print(f"{arch} pp2 vs pp1: max |loss difference| over {STEPS} steps = {worst:.3g}")
 
 
