@@ -81,6 +81,7 @@ class BalancePolicy:
         self.gates: list[Any] = []
         self.rows: list[int] = []  # each gate's row in the model's [moe_layers, E] counts
         self.layers = 0  # the model's MoE layers (a pipeline stage holds some of them)
+        self._experts, self._first, self._device = 0, True, None
         self.biases: list[torch.Tensor] = []
         self.masters: list[torch.Tensor] | None = None  # fp32 copies when the buffers are 16-bit
         self.updates = 0
@@ -91,25 +92,34 @@ class BalancePolicy:
     def on_train_start(self, state: TrainerState, control: Control) -> None:
         self.gates = moe_gates(state.model)
         self.biases = [g.e_score_correction_bias for g in self.gates]
-        self.rows, self.layers, experts, first = gate_rows(state.model, self.biases)
+        self.rows, self.layers, self._experts, self._first = gate_rows(state.model, self.biases)
+        if self.layers:
+            self._device = next(iter(state.model.parameters())).device
         if world_size() > 1 and self.layers:  # start from the first replica's biases; identical updates keep them equal
-            self._start_equal(experts, first, state.model)
+            full = self._first_replica(self.biases)
+            for row, bias in zip(self.rows, self.biases):
+                bias.copy_(full[row])
         self._sync_masters()
         self._last_step = state.step
         self._reported = self._bias_copies()
 
-    def _start_equal(self, experts: int, first: bool, model: Any) -> None:
-        """Every rank takes the first replica's biases: one all-reduce of the [layers, E] biases, the first
-        replica's ranks (rank 0 without a pipeline; each stage's first one with) adding theirs, the others zeros."""
+    def _first_replica(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """[layers, E]: every MoE layer's row of `tensors` (this rank's gates' biases or masters) as the first replica
+        holds it: one all-reduce, the first replica's ranks (rank 0 without a pipeline; each stage's first one with)
+        adding theirs, the others zeros. A collective: every rank calls it."""
         import torch
-        device = next(iter(model.parameters())).device
-        full = torch.zeros(self.layers, experts, dtype=torch.float32, device=device)
-        if first:
-            for row, bias in zip(self.rows, self.biases):
-                full[row] = bias.float()
-        all_reduce_sum(full)
-        for row, bias in zip(self.rows, self.biases):
-            bias.copy_(full[row])
+        full = torch.zeros(self.layers, self._experts, dtype=torch.float32, device=self._device)
+        if self._first:
+            for row, tensor in zip(self.rows, tensors):
+                full[row] = tensor.float()
+        return all_reduce_sum(full)
+
+    def _layer_rows(self, tensors: list[torch.Tensor]) -> list[list[float]]:
+        """Every MoE layer's row of `tensors`, for the records: a pipeline stage holds some layers, so the stages'
+        rows are gathered (a collective on every rank); otherwise this rank's own."""
+        if self.rows == list(range(self.layers)):
+            return [t.tolist() for t in tensors]
+        return self._first_replica(tensors).tolist()
 
     def _sync_masters(self) -> None:
         import torch
@@ -162,16 +172,16 @@ class BalancePolicy:
     def on_step_end(self, state: TrainerState, control: Control, *, metrics: dict[str, Any] | None) -> None:
         self._last_step = state.step
         signals = self.monitor.fresh(state)
-        if signals is None or not self.biases:
+        if signals is None or not self.layers:  # every rank goes on: a pipeline's stages gather their rows
             return
-        before = [b.tolist() for b in self._reported]  # read on the summary step, when the monitor reads too
+        before = self._layer_rows(self._reported)  # read on the summary step, when the monitor reads too
         self._reported = self._bias_copies()
         self.events.record(
             state.step, self.name, "bias_update", f"{self.updates} updates of u={self.config.rate:g} so far",
             signals={"max_vio": signals.max_vio, "dropped_fraction": signals.dropped_fraction,
                      "dead_experts": signals.dead_experts, "router_entropy": signals.router_entropy,
                      "load_entropy": signals.load_entropy},
-            before={"bias_range": _ranges(before)}, after={"bias_range": _ranges(self._bias_rows())})
+            before={"bias_range": _ranges(before)}, after={"bias_range": _ranges(self._layer_rows(self._source()))})
 
     def _source(self) -> list[torch.Tensor]:
         return self.masters if self.masters is not None else self.biases
@@ -179,13 +189,10 @@ class BalancePolicy:
     def _bias_copies(self) -> list[torch.Tensor]:
         return [b.detach().clone() for b in self._source()]
 
-    def _bias_rows(self) -> list[list[float]]:
-        return [b.tolist() for b in self._source()]
-
     def summary(self) -> dict[str, Any]:
-        rows = self._bias_rows() if self.biases else []
-        return {"layers": len(self.biases), "rate": self.config.rate, "updates": self.updates,
-                "bias": rows}
+        """Called on every rank at the end (a collective under a pipeline)."""
+        rows = self._layer_rows(self._source()) if self.layers else []
+        return {"layers": self.layers, "rate": self.config.rate, "updates": self.updates, "bias": rows}
 
 
 def _ranges(rows: list[list[float]] | None) -> list[list[float]] | None:

@@ -147,7 +147,7 @@ def test_moe_router_statistics_and_events_match_pp1(runs):
 
     def events(run: Path) -> list[tuple]:
         lines = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-        return [(e.get("step"), e.get("policy"), e.get("action"), e.get("signals")) for e in lines
+        return [(e.get("step"), e.get("policy"), e.get("action"), e.get("signals"), e.get("after")) for e in lines
                 if e.get("policy") in ("balance", "capacity")]
 
     first, second = events(runs["moe_pp1"]), events(runs["moe_pp2"])
@@ -156,6 +156,11 @@ def test_moe_router_statistics_and_events_match_pp1(runs):
         for name in ("max_vio", "dropped_fraction", "dead_experts"):
             if name in a[3]:
                 assert b[3][name] == pytest.approx(a[3][name], abs=1e-12), name
+        # the same bias updates (signs of exact integer loads), every layer's gathered from its stage
+        assert b[4] == a[4] and (a[1] != "balance" or len(b[4]["bias_range"]) == layers)
+    summaries = [[e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
+                  if e.get("kind") == "summary"] for run in (runs["moe_pp1"], runs["moe_pp2"])]
+    assert summaries[0][-1]["balance"] == summaries[1][-1]["balance"]  # the final biases of every layer
 
 
 def test_pp2_by_dp2_by_ep2_on_four_processes_matches_dp2_by_ep2(runs):
