@@ -67,6 +67,10 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     ("deepspeed.moe.mappings", "_gather_tokens", "dim"),
     ("deepspeed.moe.layer", "MoE", "__init__(enable_expert_tensor_parallelism)"),
     ("deepspeed.module_inject.layers", "GatherReplacedLayerParams", "__init__(params)"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "clip_fp32_gradients"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "self._global_grad_norm"),
+    ("deepspeed.runtime.utils", "clip_grad_norm_", "mpu"),
+    ("deepspeed.runtime.pipe.topology", "PipelineParallelGrid", "__init__(topology)"),
 )
 
 # The classes, besides tensors and plain containers, that a DeepSpeed + accelerate checkpoint pickles
@@ -212,6 +216,37 @@ def ulysses_data_adapter(batches: Any, rank: int, group: Any, size: int, device:
     return UlyssesSPDataLoaderAdapter(batches, sp_rank=rank, sp_group=group, sp_world_size=size, device=device)
 
 
+# --- pipeline parallelism with DeepSpeed MoE -----------------------------------------------------
+
+
+def use_pipeline_grid(pp_size: int) -> None:
+    """The pipeline engine's (pipe, data) grid as DeepSpeed's `groups.mpu`, before the expert groups are built on
+    it: DeepSpeed then builds each stage's expert-parallel and expert-data-parallel groups inside the stage's ranks
+    (utils/groups.py _get_expert_parallel_ranks, pp_stride = world / pp). The engine builds the same grid from the
+    PipelineModule's topology (pipe/module.py) and sets it as `groups.mpu` itself (runtime/engine.py
+    _configure_distributed_model); expert groups built before either would span the stages."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
+    from deepspeed.utils import groups
+
+    topology = PipeDataParallelTopology(num_pp=pp_size, num_dp=dist.get_world_size() // pp_size)
+    groups.mpu = PipelineParallelGrid(topology=topology)
+
+
+def keep_fp32_clip_norm(engine: Any) -> None:
+    """Under ZeRO-0 in fp32 DeepSpeed clips with `clip_grad_norm_` (runtime/engine.py `clip_fp32_gradients`) and
+    drops the norm it returns; keep it as the engine's `_global_grad_norm` (what `get_global_grad_norm` reads, as the
+    ZeRO and 16-bit optimizers set it). For the pipeline engine, which steps inside `train_batch`, where the loop
+    cannot read the gradients before the update; the norm is DeepSpeed's own, over the stages (`mpu`)."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_fp32_gradients() -> None:
+        engine._global_grad_norm = clip_grad_norm_(parameters=engine.module.parameters(),
+                                                   max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+
+    engine.clip_fp32_gradients = clip_fp32_gradients
+
+
 # --- tensor parallelism (AutoTP) with DeepSpeed MoE -----------------------------------------------
 
 
@@ -334,9 +369,10 @@ def collective_failure(err: BaseException) -> bool:
 
 __all__ = ["A2A_TIMERS", "CHECKPOINT_CLASSES", "DEEPSPEED_VERSION_READ", "checkpoint_classes", "INTERNALS", "MOE_TIMER",
            "collective_failure",
-           "discard_gradients", "expert_group_line", "expert_parallel_rank", "name_cpu_accelerator", "prints_held",
+           "discard_gradients", "expert_group_line", "expert_parallel_rank", "keep_fp32_clip_norm",
+           "name_cpu_accelerator", "prints_held",
            "shm_comm_op_built_line",
            "moe_layers_with_timers", "moe_param_groups", "moe_timer_seconds", "reported_grad_norm",
            "reports_grad_norm", "sequence_parallel_group", "set_batch_sizes", "start_moe_timers", "stop_moe_timers",
-           "ulysses_data_adapter", "use_tensor_parallel_mesh", "tensor_parallel_size", "gather_tokens_for_gloo",
-           "tensor_parallel_state_dict"]
+           "ulysses_data_adapter", "use_pipeline_grid", "use_tensor_parallel_mesh", "tensor_parallel_size",
+           "gather_tokens_for_gloo", "tensor_parallel_state_dict"]

@@ -23,7 +23,8 @@ Every command is accelerate's launcher:
 
 The recipe gets the run options given to launch, `--ds-config RUN/ds_config.json --output-dir RUN`
 and the knobs the DeepSpeed config cannot carry (`--gpu`, `--seq-len`, `--ep-size`,
-`--checkpointing`), so it re-derives the same plan; anything after `--` is passed to the recipe as
+`--checkpointing`; `--pp-size` and `--pp-partition` as given), so it re-derives the same
+plan; anything after `--` is passed to the recipe as
 is. Imports no torch.
 """
 
@@ -199,7 +200,7 @@ def plan_launch(req: LaunchRequest) -> Launch:
                                micro_batch=par.micro_batch, grad_accum=par.grad_accum,
                                checkpointing=config.checkpointing.gradient_checkpointing, ep_size=par.ep_size,
                                ds_config=par.ds_config, sp_size=par.sp_size, tp_size=par.tp_size,
-                               zero_hpz=par.zero_hpz, zero_quantize=par.zero_quantize)
+                               zero_hpz=par.zero_hpz, zero_quantize=par.zero_quantize, pp_size=par.pp_size)
         plan = fit(request)
         if not req.dry_run and config.hardware.gpu and not _cuda_available():
             s0 = plan.shown.setup

@@ -212,6 +212,11 @@ class ParallelismOptions:
         None, "--zero-quantize", commands=PLANNING, choices=("off", "weights", "gradients", "both"),
         help="Pin ZeRO++ quantized communication under ZeRO-3: off, weights (qwZ: int8 parameter all-gathers), "
              "gradients (qgZ: int4 reduce-scatter) or both.")
+    pp_partition: str | None = option(
+        None, "--pp-partition", commands=RUN,
+        help="How --pp-size splits the layers into stages (DeepSpeed's partition_method): parameters (default: "
+             "balance the parameter counts), uniform (the same number of layers), or type:REGEX (balance the layers whose "
+             "class matches: type:Decoder).")
     ds_config: str | None = option(
         None, "--ds-config", commands=PLANNING,
         help="Your DeepSpeed JSON: its explicit values pin the knobs, bucket sizes and optimizer; its \"auto\" "

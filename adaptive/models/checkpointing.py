@@ -23,6 +23,10 @@ def apply_checkpointing(model: nn.Module, policy: str) -> None:
         kind, n = parse_checkpoint_policy(policy)
     except ValueError as e:
         raise AdaptiveError(str(e)) from None
+    pipelined = getattr(model, "set_checkpoint_policy", None)  # the pipeline module's stage (pipeline.py)
+    if pipelined is not None:
+        pipelined(policy)
+        return
     base = getattr(model, "model", model)
     if base.gradient_checkpointing:
         model.activation_checkpointing_disable()

@@ -105,6 +105,7 @@ class StepStats:
     expert_counts: torch.Tensor | None = None  # [L_moe, E]
     dropped_fraction: torch.Tensor | None = None  # [L_moe], summed over micro-batches
     mod_skip_rate: torch.Tensor | None = None  # [L_mod], summed over micro-batches
+    routed: bool = False  # a routed model's step without per-layer statistics (pipeline stages): aux_loss still reported
 
     @classmethod
     def zeros(cls, device: torch.device) -> StepStats:
@@ -120,7 +121,10 @@ class StepStats:
         if aux is not None:
             self.aux_loss += aux
         self.micro_batches += 1
-        stats = outputs.router_stats
+        self.add_router_stats(outputs.router_stats)
+
+    def add_router_stats(self, stats: Any) -> None:
+        """Add one micro-batch's router statistics (AdaptiveRouterStats, or None for a dense model)."""
         if stats is None:
             return
         if stats.expert_counts is not None:
@@ -172,7 +176,7 @@ class IntervalMeter:
         loss_sum, lm_sum, aux_sum, micro = values[:4]
         out: dict[str, Any] = {"loss": loss_sum / micro, "lm_loss": lm_sum / micro,
                                "aux_loss": aux_sum / micro if first.expert_counts is not None
-                               or first.mod_skip_rate is not None else None}
+                               or first.mod_skip_rate is not None or first.routed else None}
         offset = 4
         for name, value in shapes:
             if value is None:

@@ -88,6 +88,7 @@ class Knobs:
     block_len: int = 0  # 0: seq_len (a run that never cut its blocks; checkpoints written before the field)
     sp_size: int = 1  # Ulysses sequence parallelism: each rank holds 1/sp of every sequence (plan/estimate/parallel.py)
     tp_size: int = 1  # AutoTP tensor parallelism: each rank holds 1/tp of the attention and MLP weights
+    pp_size: int = 1  # DeepSpeed's pipeline engine: the layers split into pp stages (adaptive/models/pipeline.py)
     # the activation checkpointing in force: off | every:N | mlp | full (adaptive/models/checkpointing.py);
     # "": gradient_checkpointing's (full or off). gradient_checkpointing stays True exactly when it is "full".
     checkpoint_policy: str = ""
@@ -202,7 +203,8 @@ class TrainerState:
     @property
     def tokens_per_step(self) -> int:
         """Global tokens per optimizer step (the same whatever seq_len cuts the blocks into)."""
-        return self.knobs.tokens_per_step * (self.world_size // self.knobs.tp_size)  # a TP group shares its data
+        # a TP group, and a pipeline's stages, share their data
+        return self.knobs.tokens_per_step * (self.world_size // (self.knobs.tp_size * self.knobs.pp_size))
 
 
 @dataclass

@@ -103,6 +103,7 @@ def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] 
     from accelerate.utils import set_seed
 
     from adaptive.train.reporting import trackers as tracking
+    from adaptive import engine as engine_internals
     from adaptive.train.run import setup
     from adaptive.train.run.loop import Loop, LoopSettings, restore, set_peak_lr, train, write_run_files
     from adaptive.train.reporting.metrics import MetricsWriter
@@ -128,6 +129,8 @@ def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] 
     warmup = opt.warmup_steps if opt.warmup_steps is not None else setup.default_warmup(plan.max_steps)
     lr_scheduler = setup.build_scheduler(optimizer, warmup, plan.max_steps)
     engine, optimizer, scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    if plan.knobs.pp_size > 1 and not engine_internals.reports_grad_norm(engine):  # ZeRO-0, fp32: keep DeepSpeed's norm
+        engine_internals.keep_fp32_clip_norm(engine)
 
     accelerator.wait_for_everyone()
     state = TrainerState(max_steps=plan.max_steps, knobs=plan.knobs, output_dir=output_dir, plan=plan.plan,

@@ -187,6 +187,8 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
     """One optimizer step: forward/backward over the micro-batches, then the update (or discard)."""
     engine = state.model
     micro_batches = step_micro_batches(step_batch, state.knobs, loop)
+    if state.knobs.pp_size > 1:
+        return _pipeline_step(state, control, loop, micro_batches)
     count = len(micro_batches)  # the accumulation; sp x that under Ulysses (every SP rank's micro-batches in turn)
     stats = StepStats.zeros(loop.device)
     progress = loop.progress
@@ -228,6 +230,33 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
     state.scheduler.step()
     _apply_lr_scale(state, loop)
     state.last_grad_norm = None if skip else (norm if norm is not None else engine_internals.reported_grad_norm(engine))
+    return stats
+
+
+def _pipeline_step(state: TrainerState, control: Control, loop: Loop,
+                   micro_batches: list[dict[str, torch.Tensor]]) -> StepStats:
+    """DeepSpeed's pipeline schedule runs the step, update included (pipeline_step.py), then the callbacks see each
+    micro-batch's loss and router statistics; a skip asked for cannot discard it."""
+    from adaptive.train.run import pipeline_step
+
+    engine = state.model
+    stats, outputs = pipeline_step.train_batch(engine, micro_batches, loop.device)
+    for i, (batch, out) in enumerate(zip(micro_batches, outputs)):
+        state.micro_step = i
+        loop.callbacks.on_backward_end(state, control, outputs=out, loss=out.loss, batch=batch)
+    if control.skip_step:
+        logger.warning("step %d: a skip was asked for, but DeepSpeed's pipeline schedule applies the update "
+                       "itself; the step ran", state.step + 1)
+        control.skip_step = False
+    state.last_skip = None
+    if engine.was_step_applied():
+        loop.callbacks.on_optimizer_step(state, control)
+    else:  # DeepSpeed found an overflow (fp16 loss scaling) and skipped the update itself
+        state.skipped_steps += 1
+        state.last_skip = "overflow"
+    state.scheduler.step()
+    _apply_lr_scale(state, loop)
+    state.last_grad_norm = engine_internals.reported_grad_norm(engine) if _is_log_step(state.step + 1, loop) else None
     return stats
 
 
@@ -312,8 +341,20 @@ def evaluate(state: TrainerState, control: Control, loop: Loop) -> dict[str, Any
 def _evaluate(state: TrainerState, control: Control, loop: Loop) -> dict[str, Any]:
     engine = state.model
     batches = list(eval_batches(loop.data.eval, state.knobs.micro_batch_size))
+    pipelined = state.knobs.pp_size > 1
+    if pipelined:  # the pipeline's buffers have the first micro-batch's shape: whole micro-batches only
+        batches = [b for b in batches if b["input_ids"].shape[0] == state.knobs.micro_batch_size]
     count = agree_min(state, len(batches))  # every rank runs the same forwards (collectives inside)
     total = torch.zeros(2, dtype=torch.float64, device=loop.device)
+    if pipelined and count:
+        from adaptive.train.run.pipeline_step import eval_loss
+
+        tokens = sum((b["labels"][:, 1:] != -100).sum() for b in batches[:count]).to(loop.device).double()
+        # every batch has the same labels count (whole blocks): the mean over batches is the token-weighted mean
+        total += torch.stack([eval_loss(engine, batches[:count], loop.device) * tokens, tokens])
+        # a pipeline's stages hold the same loss: count one stage per replica
+        total /= state.knobs.pp_size
+        batches = []
     engine.eval()
     with torch.no_grad():
         for batch in batches[:count]:
@@ -473,6 +514,11 @@ def apply_knob_changes(state: TrainerState, control: Control, loop: Loop) -> Non
     if new.sp_size > 1 and new.micro_batch_size != state.knobs.micro_batch_size:
         raise AdaptiveError(f"micro_batch_size cannot change under sequence parallelism (sp_size {new.sp_size}): "
                             f"DeepSpeed's Ulysses attention is built for {state.knobs.micro_batch_size} sequences")
+    shapes = ("micro_batch_size", "gradient_accumulation_steps", "seq_len")
+    if new.pp_size > 1 and any(getattr(new, k) != getattr(state.knobs, k) for k in shapes):
+        raise AdaptiveError(f"{', '.join(k for k in shapes if getattr(new, k) != getattr(state.knobs, k))} cannot "
+                            f"change under --pp-size {new.pp_size}: DeepSpeed's pipeline engine fixes its micro-batches "
+                            "and stage buffers when it is built (only the checkpoint policy can change)")
     old, state.knobs = state.knobs, new
     engine = state.model
     if (new.micro_batch_size, new.gradient_accumulation_steps) != (old.micro_batch_size,

@@ -49,9 +49,9 @@ FP16_SECTION = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "lo
                 "hysteresis": 2, "min_loss_scale": 1}
 
 
-def _data_parallel_ranks(world_size: int, sp_size: int, tp_size: int) -> int:
-    """The data-parallel ranks DeepSpeed counts: processes / (sp x tp)."""
-    return world_size // (sp_size * tp_size)
+def _data_parallel_ranks(world_size: int, sp_size: int, tp_size: int, pp_size: int = 1) -> int:
+    """The data-parallel ranks DeepSpeed counts: processes / (sp x tp x pp)."""
+    return world_size // (sp_size * tp_size * pp_size)
 
 
 @dataclass(frozen=True)
@@ -182,10 +182,12 @@ class RunPlan:
     orchestrator_requested: str
     orchestrator: bool
     init_from: str | None = None  # the checkpoint folder the weights start from (its config.json is the shape)
+    pp_partition: str = "parameters"  # --pp-partition: DeepSpeed's partition_method under --pp-size
 
     @property
     def tokens_per_step(self) -> int:
-        return self.knobs.tokens_per_step * _data_parallel_ranks(self.world.size, 1, self.knobs.tp_size)
+        return self.knobs.tokens_per_step * _data_parallel_ranks(self.world.size, 1, self.knobs.tp_size,
+                                                                 self.knobs.pp_size)
 
     @property
     def peak_tflops(self) -> float | None:
@@ -253,6 +255,9 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
     global_tokens = None
     layout = layout_pins(par, source)
     pinned_sp, pinned_tp = layout["sp_size"] or 1, layout["tp_size"] or 1
+    pp = par.pp_size or 1
+    if pp > 1:
+        zero = pipeline_zero(pp, zero, pinned_sp, pinned_tp, ep_size, arch, world)
     # --grad-accum is DeepSpeed's gradient_accumulation_steps: a replica's micro-steps per optimizer step. Under
     # SP, DeepSpeed's Ulysses data adapter makes each rank's micro-batch one of its group's micro-steps, so each
     # rank loads accum / sp micro-batches (the loop's accumulation).
@@ -262,7 +267,8 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
         offload = offload or "none"
         checkpointing = bool(checkpointing) if policy is None else checkpointing
         ep_size = ep_size or 1
-        global_tokens = micro * accum * seq * world.size // (pinned_tp * pinned_sp)  # over the replicas
+        # over the replicas; under --pp-size the planner derives it from the pinned batch knobs and its pp_size
+        global_tokens = micro * accum * seq * world.size // (pinned_tp * pinned_sp) if pp == 1 else None
     if accum and accum % pinned_sp:
         raise AdaptiveError(f"--grad-accum ({accum}) must be a multiple of --sp-size ({pinned_sp}): DeepSpeed's "
                             "Ulysses data adapter runs each rank's micro-batch as one of its group's micro-steps")
@@ -277,7 +283,7 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
         tokens=tokens, zero=zero, offload=offload, micro_batch=micro, grad_accum=accum,
         checkpointing=checkpointing, ep_size=ep_size, checkpoint_policy=policy,
         sp_size=layout.get("sp_size"), tp_size=layout.get("tp_size"), zero_hpz=layout.get("zero_hpz"),
-        zero_quantize=layout.get("zero_quantize"),
+        zero_quantize=layout.get("zero_quantize"), pp_size=par.pp_size,
     )
     # fit refuses, in one line, a layout DeepSpeed or this runtime cannot train (plan/estimate/parallel.py layout_error)
     plan = fit(request, suggest=not cpu)
@@ -297,7 +303,7 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
                   seq_len=s.seq_len, gradient_checkpointing=s.gradient_checkpointing, zero_stage=s.zero_stage,
                   offload_optimizer=s.offload_optimizer, offload_params=s.offload_params, ep_size=s.ep_size,
                   checkpoint_policy=s.checkpointing,
-                  sp_size=sp_size, tp_size=tp_size)
+                  sp_size=sp_size, tp_size=tp_size, pp_size=pp)
     precision = precision_for(device, source, env)
     base = source.config if source.config is not None else ds_config(s, chosen.grad_accum, request.gpu)
     cfg = finalize_ds_config(base, knobs, world.size, precision, pins.get("clipping"), zero_plus(layout))
@@ -312,7 +318,53 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
     enabled = requested == "on" or (requested == "auto" and plan.orchestrator.recommended)
     return RunPlan(preset=preset, arch=arch, plan=plan, knobs=knobs, ds_config=cfg, ds_source=source,
                    precision=precision, device=device, world=world, max_steps=max_steps,
-                   orchestrator_requested=requested, orchestrator=enabled, init_from=config.model.init_from)
+                   orchestrator_requested=requested, orchestrator=enabled, init_from=config.model.init_from,
+                   pp_partition=pipeline_partition(par.pp_partition or "parameters"))
+
+
+def pipeline_zero(pp: int, zero: int | None, sp: int, tp: int, ep: int | None, arch: str, world: World) -> int:
+    """The ZeRO stage under DeepSpeed's pipeline engine (ZeRO-1 at most; unpinned: 1 over several data-parallel
+    replicas, else 0), or one line saying why this layout cannot be pipelined."""
+    if world.size % pp:
+        raise AdaptiveError(f"--pp-size {pp} must divide the {world.size} processes; nearest that does: "
+                            f"{max(d for d in range(1, world.size + 1) if world.size % d == 0 and d <= pp)}")
+    if zero is not None and zero >= 2:
+        raise AdaptiveError(f"--zero {zero} with --pp-size {pp}: DeepSpeed's pipeline engine takes ZeRO-1 at most "
+                            "(\"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism\", "
+                            "deepspeed/runtime/pipe/engine.py:76); pin --zero 1 or 0")
+    if tp > 1:
+        raise AdaptiveError(f"--tp-size {tp} with --pp-size {pp}: AutoTP replaces the engine's process grid with its "
+                            "own world-wide TP mesh (deepspeed/runtime/engine.py:957), which drops the pipeline "
+                            "stages; use one of them")
+    if sp > 1:
+        raise AdaptiveError(f"--sp-size {sp} with --pp-size {pp}: Ulysses hands deepspeed.initialize its own mpu, "
+                            "which the pipeline engine refuses (\"mpu must be None with pipeline parallelism\", "
+                            "deepspeed/__init__.py:583); use one of them")
+    replicas = world.size // pp
+    if ep is not None and ep > 1 and replicas % ep:
+        # DeepSpeed builds each stage's expert groups from its data-parallel ranks, which ep must divide
+        # (utils/groups.py:634, _ensure_divisibility(dp_world_size, expert_parallel_size_))
+        raise AdaptiveError(f"--ep-size {ep} with --pp-size {pp}: the experts are split over a stage's {replicas} "
+                            f"data-parallel replicas, which {ep} does not divide; nearest that does: "
+                            f"{max(d for d in range(1, replicas + 1) if replicas % d == 0 and d <= ep)}")
+    if zero is not None:
+        return zero
+    return 0 if world.size // pp == 1 else 1
+
+
+def pipeline_partition(method: str) -> str:
+    """--pp-partition: parameters, uniform or type:REGEX (DeepSpeed's partition_method)."""
+    import re
+
+    if method in ("parameters", "uniform"):
+        return method
+    if method.startswith("type:") and method[5:]:
+        try:
+            re.compile(method[5:])
+            return method
+        except re.error as err:
+            raise AdaptiveError(f"--pp-partition {method}: not a regular expression ({err})") from None
+    raise AdaptiveError(f"--pp-partition must be parameters, uniform or type:REGEX, got {method!r}")
 
 
 def layout_pins(par: Any, source: DeepSpeedSource) -> dict[str, Any]:
@@ -340,7 +392,7 @@ def steps_for(max_steps: int | None, tokens: float | None, knobs: Knobs, world_s
     or a short CPU run."""
     if max_steps is not None:
         return max_steps
-    per_step = knobs.tokens_per_step * _data_parallel_ranks(world_size, 1, knobs.tp_size)
+    per_step = knobs.tokens_per_step * _data_parallel_ranks(world_size, 1, knobs.tp_size, knobs.pp_size)
     if tokens is not None:
         return max(1, math.ceil(tokens / per_step))
     return CPU_MAX_STEPS if cpu else max(1, math.ceil(plan.train_tokens / per_step))
@@ -449,7 +501,7 @@ def ds_config_for_knobs(cfg: dict[str, Any], knobs: Knobs, world_size: int) -> d
     out = copy.deepcopy(cfg)
     out["train_micro_batch_size_per_gpu"] = knobs.micro_batch_size
     out["gradient_accumulation_steps"] = knobs.gradient_accumulation_steps * knobs.sp_size
-    out["train_batch_size"] = knobs.sequences_per_step * world_size
+    out["train_batch_size"] = knobs.sequences_per_step * world_size // knobs.pp_size  # a pipeline shares its data
     return out
 
 

@@ -171,10 +171,12 @@ def load_data(options: DataOptions, seed: int, run: RunPlan, accelerator: Any, m
     with accelerator.main_process_first():
         tokenizer = load_tokenizer(options.tokenizer or tokenizer_folder(run.init_from))  # the checkpoint's own
         require_fits_vocab(tokenizer, model_vocab_size)
-        # a TP group (consecutive ranks, DeepSpeed's TP mesh) trains on one copy of the data
-        tp = run.knobs.tp_size
-        train, evaluation = build_datasets(cfg, tokenizer, rank=accelerator.process_index // tp,
-                                           world_size=accelerator.num_processes // tp)
+        # a TP group (consecutive ranks, DeepSpeed's TP mesh) trains on one copy of the data; so do a pipeline's
+        # stages (ranks stage x replicas + replica, DeepSpeed's PipeDataParallelTopology)
+        tp, pp = run.knobs.tp_size, run.knobs.pp_size
+        replicas = accelerator.num_processes // (tp * pp)
+        rank = accelerator.process_index % replicas if pp > 1 else accelerator.process_index // tp
+        train, evaluation = build_datasets(cfg, tokenizer, rank=rank, world_size=replicas)
     if options.data_workers and not isinstance(train, StreamingPackedDataset):
         logger.warning("--data-workers %d ignored: %s is tokenized once up front (map-style), not streamed",
                        options.data_workers, dataset or "the shipped corpus")
@@ -194,7 +196,7 @@ def resolve_dataset(flag: str | None, device_kind: str) -> str | None:
 
 def build_model(run: RunPlan, tokenizer: Any, seed: int) -> Any:
     """The preset (or --init-from's checkpoint, weights loaded) as `arch`, DeepSpeed MoE (with the plan's ep_size)
-    for MoE layers."""
+    for MoE layers; under --pp-size this rank's pipeline stage of it."""
     from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
     from adaptive.train.run_folder.init_from import load_init_weights, target_config
 
@@ -211,10 +213,20 @@ def build_model(run: RunPlan, tokenizer: Any, seed: int) -> Any:
     # under ZeRO-3: deepspeed.zero.Init; under Ulysses, the attention its registration expects
     attention = {"attn_implementation": SP_ATTENTION} if knobs.sp_size > 1 else {}
     model = AdaptiveForCausalLM._from_config(config, dtype=torch.float32, **attention)
+    if knobs.pp_size > 1 and knobs.ep_size > 1 and config.moe_layers:  # expert groups inside each stage's ranks
+        from adaptive.engine import use_pipeline_grid
+        from adaptive.models.moe_deepspeed import ensure_distributed
+
+        ensure_distributed()
+        use_pipeline_grid(knobs.pp_size)
     if run.init_from:
         load_init_weights(model, run.init_from)
     elif knobs.ep_size > 1 and config.moe_layers:
         reinit_local_experts(model, seed, knobs.tp_size)
+    if knobs.pp_size > 1:  # this rank's stage, with the same weights (adaptive/models/pipeline.py)
+        from adaptive.models.pipeline import to_pipeline
+
+        return to_pipeline(model, knobs.pp_size, run.pp_partition, knobs.checkpoint_policy)
     if knobs.checkpoint_policy != "off":  # full, or selective (mlp, every:N) as planned or pinned
         from adaptive.models.checkpointing import apply_checkpointing
 

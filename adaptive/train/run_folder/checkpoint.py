@@ -383,9 +383,19 @@ def export_hf(accelerator: Any, engine: Any, tokenizer: Any, target: Path, metad
     model = accelerator.unwrap_model(engine)
     config = model.config
     chosen = None
+    pipelined = hasattr(model, "set_checkpoint_policy")  # a pipeline stage (adaptive/models/pipeline.py)
     tensor_parallel = (accelerator.deepspeed_config.get("tensor_parallel") or {}).get("autotp_size", 0) > 1
     expert_parallel = config.ep_size > 1 and bool(config.moe_layers)
-    if tensor_parallel and expert_parallel:
+    if pipelined:
+        # the stages' weights, gathered onto rank 0 under their HF names (a collective), into an HF model's shape
+        from adaptive.models import AdaptiveForCausalLM
+        from adaptive.models.pipeline import gather_hf_state_dict
+
+        state_dict = gather_hf_state_dict(model)
+        if main:
+            chosen = export_pretrained(AdaptiveForCausalLM._from_config(config), tmp, export_format,
+                                       state_dict=state_dict)
+    elif tensor_parallel and expert_parallel:
         # DeepSpeed's TP gather fills rank 0's dict only, which holds rank 0's experts alone: gather the
         # TP shards on every rank, then the experts over the expert-parallel group (collectives)
         from adaptive.engine import tensor_parallel_state_dict
