@@ -60,12 +60,10 @@ def check_shardable(config, tp: int) -> None:
             raise AdaptiveError(f"{name} ({size}) must be divisible by --tp-size ({tp}) inside the pipeline's stages")
 
 
-def shard_stage(pipe: nn.Module) -> int:
-    """Replace this stage's decoder-block linears with DeepSpeed's TP layers on the grid's slice group (the weights,
-    whole, already loaded: each layer keeps its rank's slice); mark the parameters for the gradient norm. Returns the
-    number of linears replaced."""
-    from adaptive.models.pipeline import DecoderLayerPipe
-
+def shard_stage(pipe: nn.Module, blocks: list[nn.Module]) -> int:
+    """Replace the decoder-block linears of this stage (`blocks`, its `DecoderLayerPipe`s) with DeepSpeed's TP layers
+    on the grid's slice group (the weights, whole, already loaded: each layer keeps its rank's slice); mark the
+    stage's parameters for the gradient norm. Returns the number of linears replaced."""
     grid = pipe._grid
     tp = grid.get_slice_parallel_world_size()
     check_shardable(pipe.config, tp)
@@ -75,7 +73,7 @@ def shard_stage(pipe: nn.Module) -> int:
     group, preset = grid.get_slice_parallel_group(), AutoTPPresets.llama()
     meta = AutoTPMeta.from_model_config(pipe.config)
     replaced = 0
-    for block in (m for m in pipe.forward_funcs if isinstance(m, DecoderLayerPipe)):
+    for block in blocks:
         for name, child in list(block.named_modules()):
             if not isinstance(child, nn.Linear):
                 continue
@@ -98,14 +96,12 @@ def mark_for_gradient_norm(pipe: nn.Module, tp_rank: int) -> None:
         p.model_parallel = not getattr(p, "ds_pipe_replicated", False) and (shard or tp_rank == 0)
 
 
-def gather_local_hf_state(pipe: nn.Module) -> dict[str, torch.Tensor]:
-    """This stage's weights under their HF names, the TP shards all-gathered into whole weights, on TP rank 0 ({}
+def gather_shards(pipe: nn.Module) -> dict[str, torch.Tensor]:
+    """This stage's TP-split weights, all-gathered whole, under the pipeline module's keys, on TP rank 0 ({}
     elsewhere). A collective over the slice group: every rank of the stage calls it."""
-    from adaptive.models.pipeline import hf_key, local_hf_state
-
     grid = pipe._grid
     group, tp = grid.get_slice_parallel_group(), grid.get_slice_parallel_world_size()
-    state = local_hf_state(pipe) if grid.get_slice_parallel_rank() == 0 else {}
+    whole: dict[str, torch.Tensor] = {}
     for prefix, module in pipe.named_modules():
         if not isinstance(module, TensorParallel_Layer):
             continue
@@ -115,10 +111,9 @@ def gather_local_hf_state(pipe: nn.Module) -> dict[str, torch.Tensor]:
                 continue
             parts = [torch.empty_like(param) for _ in range(tp)]
             dist.all_gather(parts, param.detach().contiguous(), group=group)
-            if state:
-                state[hf_key(f"{prefix}.{name}", pipe.config)] = torch.cat(parts, dim=dim).cpu()
-    return state
+            whole[f"{prefix}.{name}"] = torch.cat(parts, dim=dim).cpu()
+    return whole if grid.get_slice_parallel_rank() == 0 else {}
 
 
-__all__ = ["SPLIT_DIM", "check_shardable", "gather_local_hf_state", "mark_for_gradient_norm", "pipeline_topology",
+__all__ = ["SPLIT_DIM", "check_shardable", "gather_shards", "mark_for_gradient_norm", "pipeline_topology",
            "shard_stage"]
