@@ -14,7 +14,10 @@ AutoTP's replacement pass takes its group from that mesh in training mode (modul
   output is all-reduced in forward, layers.py:225). A rank holds heads / T query and key-value heads (the attention
   reshapes by head_dim, so its shapes follow) and intermediate / T of the MLP;
 - the embedding, the norms and the LM head stay whole on every TP rank of their stage: their gradients are equal
-  there, because what reaches them has been all-reduced.
+  there, because what reaches them has been all-reduced;
+- between stages each TP rank sends its 1/T of the activation and the next stage all-gathers it over its TP group
+  (DeepSpeed's `pipe_partitioned` / `grad_partitioned`, on by default when the grid has a model axis,
+  runtime/pipe/engine.py:137; it runs on gloo too).
 
 The gradient norm (clipping) counts each weight once. DeepSpeed counts a parameter on a rank when it is marked
 model-parallel or the rank is the first of its group (runtime/utils.py:394 clip_grad_norm_, zero/stage_1_and_2.py:1922
@@ -64,7 +67,7 @@ def shard_stage(pipe: nn.Module, blocks: list[nn.Module]) -> int:
     """Replace the decoder-block linears of this stage (`blocks`, its `DecoderLayerPipe`s) with DeepSpeed's TP layers
     on the grid's slice group (the weights, whole, already loaded: each layer keeps its rank's slice); mark the
     stage's parameters for the gradient norm. Returns the number of linears replaced."""
-    grid = pipe._grid
+    grid = pipe.mpu()  # the PipelineModule's PipelineParallelGrid
     tp = grid.get_slice_parallel_world_size()
     check_shardable(pipe.config, tp)
     # the TP layers' training behaviour: weights keep requires_grad, the forward all-reduce is autograd's
@@ -99,7 +102,7 @@ def mark_for_gradient_norm(pipe: nn.Module, tp_rank: int) -> None:
 def gather_shards(pipe: nn.Module) -> dict[str, torch.Tensor]:
     """This stage's TP-split weights, all-gathered whole, under the pipeline module's keys, on TP rank 0 ({}
     elsewhere). A collective over the slice group: every rank of the stage calls it."""
-    grid = pipe._grid
+    grid = pipe.mpu()  # the PipelineModule's PipelineParallelGrid
     group, tp = grid.get_slice_parallel_group(), grid.get_slice_parallel_world_size()
     whole: dict[str, torch.Tensor] = {}
     for prefix, module in pipe.named_modules():

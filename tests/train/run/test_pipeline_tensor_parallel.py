@@ -3,7 +3,7 @@ decoder linears split over its two TP ranks with DeepSpeed's LinearLayer / Linea
 (adaptive/models/pipeline_tp.py). Against a pp 1 tp 1 run on one process with the same global batch:
 
 - the same loss and gradient norm step by step within fp32 tolerance (the norm counts each shard once, and each
-  whole weight once, or it would differ);
+  whole weight once, or it would differ), and the same evaluation;
 - the stages' checkpoints hold half of each block linear per TP rank, and the HF export is their concatenation and
   equals the pp 1 run's weights;
 - a resume from the step-3 checkpoint continues bitwise.
@@ -75,6 +75,10 @@ def test_pp2_tp2_trains_with_the_pp1_tp1_losses_and_gradient_norms(runs):
         assert both[step]["loss"] == pytest.approx(one[step]["loss"], rel=RELATIVE), step
         assert both[step]["grad_norm"] == pytest.approx(one[step]["grad_norm"], rel=RELATIVE), step
     assert one[6]["loss"] < one[1]["loss"]  # it trains
+    # the final evaluation: the pipeline's eval schedule, each TP group's tokens counted once
+    (eval_one,), (eval_both,) = records(runs["pp1_tp1"], "eval"), records(runs["pp2_tp2"], "eval")
+    assert eval_both["eval_loss"] == pytest.approx(eval_one["eval_loss"], rel=RELATIVE)
+    assert eval_both["eval_tokens"] == eval_one["eval_tokens"]
     worst = max(abs(both[s]["loss"] / one[s]["loss"] - 1) for s in one)
     print(f"pp2 x tp2 vs pp1 tp1: max relative loss difference over 6 steps = {worst:.3g}")
 
