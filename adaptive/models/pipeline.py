@@ -150,7 +150,8 @@ def _tied_head(module: EmbeddingPipe, inputs):
 class AdaptivePipelineModule(PipelineModule):
     """The pipelined model; `config` is the HF model's (accelerate and the run read it)."""
 
-    def __init__(self, config: AdaptiveConfig, num_stages: int, partition_method: str = "parameters"):
+    def __init__(self, config: AdaptiveConfig, num_stages: int, partition_method: str = "parameters",
+                 topology: Any = None):
         layers: list[Any] = []
         tied = config.tie_word_embeddings
         layers.append(TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, tied_weight_attr=["embed_tokens.weight"])
@@ -159,8 +160,9 @@ class AdaptivePipelineModule(PipelineModule):
         layers.append(LayerSpec(NormPipe, config))
         layers.append(TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, forward_fn=_tied_head,
                                     tied_weight_attr=["embed_tokens.weight"]) if tied else LayerSpec(LMHeadPipe, config))
-        super().__init__(layers, num_stages=num_stages, loss_fn=self._loss, partition_method=check_partition(
-            partition_method), activation_checkpoint_interval=0)
+        # topology: DeepSpeed's pipe x data x model grid under --tp-size (pipeline_tp.py); else pipe x data
+        super().__init__(layers, num_stages=None if topology else num_stages, topology=topology, loss_fn=self._loss,
+                         partition_method=check_partition(partition_method), activation_checkpoint_interval=0)
         self.config = config
         self._last_parts: tuple[torch.Tensor, torch.Tensor] | None = None
         self.micro_losses: list[torch.Tensor] = []  # the last stage's training micro-batch losses since the last take
@@ -304,7 +306,11 @@ def gather_hf_state_dict(pipe: AdaptivePipelineModule) -> dict[str, torch.Tensor
     # under expert parallelism a stage's replicas hold its experts between them: gather them first (a collective
     # over each stage's expert-parallel group, global expert ids)
     mine = globalize_expert_state_dict(pipe, local_hf_state(pipe))
-    mine = mine if grid.data_parallel_id == 0 else {}
+    mine = mine if grid.data_parallel_id == 0 and grid.get_slice_parallel_rank() == 0 else {}
+    if grid.data_parallel_id == 0 and grid.get_slice_parallel_world_size() > 1:  # TP inside the stages
+        from adaptive.models.pipeline_tp import gather_shards
+
+        mine.update({hf_key(k, pipe.config): v for k, v in gather_shards(pipe).items()})  # whole, on TP rank 0
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0)
     if dist.get_rank() != 0:
@@ -379,16 +385,30 @@ def take_micro_losses(pipe: AdaptivePipelineModule, micro_batches: int) -> torch
     return losses
 
 
-def to_pipeline(model: nn.Module, num_stages: int, partition_method: str, checkpoint_policy: str) -> AdaptivePipelineModule:
+def to_pipeline(model: nn.Module, num_stages: int, partition_method: str, checkpoint_policy: str,
+                tp_size: int = 1) -> AdaptivePipelineModule:
     """`model` (an AdaptiveForCausalLM, weights loaded) as a pipeline module of `num_stages` stages, this rank's
-    stage built and filled with its weights. The random state is kept: the stages' fresh layers draw from it
-    before their weights are overwritten, and the run's later draws must match a pp 1 run's."""
+    stage built and filled with its weights, its blocks split over `tp_size` ranks (pipeline_tp.py). The random
+    state is kept: the stages' fresh layers draw from it before their weights are overwritten, and the run's later
+    draws must match a pp 1 run's."""
+    topology = None
+    if tp_size > 1:
+        import torch.distributed as dist
+
+        from adaptive.models.pipeline_tp import check_shardable, pipeline_topology
+
+        check_shardable(model.config, tp_size)
+        topology = pipeline_topology(dist.get_world_size(), num_stages, tp_size)
     rng = torch.get_rng_state()
     try:
-        pipe = AdaptivePipelineModule(model.config, num_stages, partition_method)
+        pipe = AdaptivePipelineModule(model.config, num_stages, partition_method, topology)
     finally:
         torch.set_rng_state(rng)
     load_hf_state(pipe, model.state_dict())
+    if tp_size > 1:
+        from adaptive.models.pipeline_tp import shard_stage
+
+        shard_stage(pipe, [m for m in pipe.forward_funcs if isinstance(m, DecoderLayerPipe)])
     pipe.set_checkpoint_policy(checkpoint_policy)
     return pipe
 

@@ -332,10 +332,9 @@ def pipeline_zero(pp: int, zero: int | None, sp: int, tp: int, ep: int | None, a
         raise AdaptiveError(f"--zero {zero} with --pp-size {pp}: DeepSpeed's pipeline engine takes ZeRO-1 at most "
                             "(\"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism\", "
                             "deepspeed/runtime/pipe/engine.py:76); pin --zero 1 or 0")
-    if tp > 1:
-        raise AdaptiveError(f"--tp-size {tp} with --pp-size {pp}: AutoTP replaces the engine's process grid with its "
-                            "own world-wide TP mesh (deepspeed/runtime/engine.py:957), which drops the pipeline "
-                            "stages; use one of them")
+    if tp > 1 and arch != "dense":  # TP inside the stages splits dense blocks (adaptive/models/pipeline_tp.py)
+        raise AdaptiveError(f"--tp-size {tp} with --pp-size {pp}: only dense blocks are split inside the pipeline's "
+                            f"stages, not {arch}'s experts or routers; use one of them")
     if sp > 1:
         raise AdaptiveError(f"--sp-size {sp} with --pp-size {pp}: Ulysses hands deepspeed.initialize its own mpu, "
                             "which the pipeline engine refuses (\"mpu must be None with pipeline parallelism\", "
@@ -349,6 +348,7 @@ def pipeline_zero(pp: int, zero: int | None, sp: int, tp: int, ep: int | None, a
                             f"{max(d for d in range(1, replicas + 1) if replicas % d == 0 and d <= ep)}")
     if zero is not None:
         return zero
+    # one pipeline: nothing to shard (under --tp-size, ZeRO-1 over the one replica, as fit asks for TP)
     return 0 if world.size // pp == 1 else 1
 
 
@@ -408,7 +408,9 @@ def finalize_ds_config(base: dict[str, Any], knobs: Knobs, world_size: int, prec
         cfg["sequence_parallel_size"] = knobs.sp_size
     else:
         cfg.pop("sequence_parallel_size", None)
-    if knobs.tp_size > 1:
+    if knobs.tp_size > 1 and knobs.pp_size > 1:  # TP inside the pipeline's stages, on its grid: not AutoTP
+        cfg.pop("tensor_parallel", None)
+    elif knobs.tp_size > 1:
         cfg["tensor_parallel"] = {**(cfg.get("tensor_parallel") or {}), "autotp_size": knobs.tp_size}
         # the HF export gathers the TP shards through DeepSpeed's 16-bit state dict, which this switch allows
         cfg.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
@@ -501,7 +503,9 @@ def ds_config_for_knobs(cfg: dict[str, Any], knobs: Knobs, world_size: int) -> d
     out = copy.deepcopy(cfg)
     out["train_micro_batch_size_per_gpu"] = knobs.micro_batch_size
     out["gradient_accumulation_steps"] = knobs.gradient_accumulation_steps * knobs.sp_size
-    out["train_batch_size"] = knobs.sequences_per_step * world_size // knobs.pp_size  # a pipeline shares its data
+    # a pipeline shares its data, and so do the TP ranks of its stages (DeepSpeed's grid counts replicas)
+    replicas = world_size // (knobs.pp_size * knobs.tp_size) if knobs.pp_size > 1 else world_size
+    out["train_batch_size"] = knobs.sequences_per_step * replicas
     return out
 
 

@@ -172,10 +172,11 @@ def load_data(options: DataOptions, seed: int, run: RunPlan, accelerator: Any, m
         tokenizer = load_tokenizer(options.tokenizer or tokenizer_folder(run.init_from))  # the checkpoint's own
         require_fits_vocab(tokenizer, model_vocab_size)
         # a TP group (consecutive ranks, DeepSpeed's TP mesh) trains on one copy of the data; so do a pipeline's
-        # stages (ranks stage x replicas + replica, DeepSpeed's PipeDataParallelTopology)
+        # stages and their TP ranks (ranks (stage x replicas + replica) x tp + tp rank, DeepSpeed's
+        # PipeModelDataParallelTopology; PipeDataParallelTopology is its tp 1)
         tp, pp = run.knobs.tp_size, run.knobs.pp_size
         replicas = accelerator.num_processes // (tp * pp)
-        rank = accelerator.process_index % replicas if pp > 1 else accelerator.process_index // tp
+        rank = (accelerator.process_index // tp) % replicas
         train, evaluation = build_datasets(cfg, tokenizer, rank=rank, world_size=replicas)
     if options.data_workers and not isinstance(train, StreamingPackedDataset):
         logger.warning("--data-workers %d ignored: %s is tokenized once up front (map-style), not streamed",
@@ -226,7 +227,7 @@ def build_model(run: RunPlan, tokenizer: Any, seed: int) -> Any:
     if knobs.pp_size > 1:  # this rank's stage, with the same weights (adaptive/models/pipeline.py)
         from adaptive.models.pipeline import to_pipeline
 
-        return to_pipeline(model, knobs.pp_size, run.pp_partition, knobs.checkpoint_policy)
+        return to_pipeline(model, knobs.pp_size, run.pp_partition, knobs.checkpoint_policy, knobs.tp_size)
     if knobs.checkpoint_policy != "off":  # full, or selective (mlp, every:N) as planned or pinned
         from adaptive.models.checkpointing import apply_checkpointing
 
