@@ -291,6 +291,12 @@ def plan_launch(req: LaunchRequest) -> Launch:
         notes.append("run each command on its node (same run folder on a shared filesystem)")
         if main_ip is None:
             notes.append(f"replace {MAIN_NODE_PLACEHOLDER} with the main node's address, or pass --main-process-ip")
+    if nodes > 1:  # what a dead or hung rank costs on a cluster (faults.py, restart.py)
+        faults = config.faults
+        restarts = (f"restarted up to {faults.max_restarts} time(s), resuming its newest checkpoint"
+                    if faults.max_restarts and hosts is None else "not restarted (--max-restarts)")
+        notes.append(f"a dead or hung rank stops every node within {faults.collective_timeout:g} s "
+                     f"(--collective-timeout); the run is {restarts}")
     if keep:
         notes.append(f"dry run: the configs already in {run_dir} were left as they are (--overwrite writes these)")
     return Launch(preset=preset, arch=arch, plan=plan, run_dir=run_dir, files=files, launcher=launcher,

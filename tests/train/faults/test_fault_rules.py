@@ -221,6 +221,12 @@ def test_a_multi_node_dry_run_shows_the_restarts_and_the_timeout_in_every_comman
     for command in planned.commands:
         assert command[4:6] == ["--max_restarts", "2"], "accelerate launch's own flag, before the recipe"
         assert command[-2:] == ["--collective-timeout", "120.0"]
+    assert ("a dead or hung rank stops every node within 120 s (--collective-timeout); the run is restarted up to "
+            "2 time(s), resuming its newest checkpoint") in planned.notes
+    defaults = plan_launch(LaunchRequest(recipe=recipe, config=RunConfig().replace(
+        gpu="a100-80gb", gpus=8, nodes=2, output_dir=str(tmp_path / "c")), dry_run=True))
+    assert ("a dead or hung rank stops every node within 600 s (--collective-timeout); the run is not restarted "
+            "(--max-restarts)") in defaults.notes, "the defaults are shown too, not only what was given"
     config = config.replace(output_dir=str(tmp_path / "b"))
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node-a slots=8\nnode-b slots=8\n")
