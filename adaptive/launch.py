@@ -23,7 +23,8 @@ Every command is accelerate's launcher:
 
 The recipe gets the run options given to launch, `--ds-config RUN/ds_config.json --output-dir RUN`
 and the knobs the DeepSpeed config cannot carry (`--gpu`, `--seq-len`, `--ep-size`,
-`--checkpointing`; `--pp-size` and `--pp-partition` as given), so it re-derives the same
+`--checkpointing`; `--pp-size` and `--pp-partition` as given, and a pipeline the planner chose as the
+config's `pipeline.stages`), so it re-derives the same
 plan; anything after `--` is passed to the recipe as
 is. Imports no torch.
 """

@@ -107,8 +107,7 @@ def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] 
     from adaptive.train.run import setup
     from adaptive.train.run.loop import Loop, LoopSettings, restore, set_peak_lr, train, write_run_files
     from adaptive.train.reporting.metrics import MetricsWriter
-    from adaptive.train.run.faults import append_event
-    from adaptive.train.run.faults import guarded
+    from adaptive.train.run.faults import append_event, guarded
 
     main_process = partial.is_main_process
     logger = get_logger(__name__)

@@ -37,13 +37,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
+from adaptive.durable import atomic_write_text
 from adaptive.train.run.watchdog import FAULTS_DIR, HEARTBEAT_S, Progress, exit_status, read_heartbeats
 
 EVENTS_FILE = "events.jsonl"  # the orchestrator's decision log; a fault or restart is history it keeps
 STALE_BEATS = 4  # heartbeats missed before a rank counts as not responding
 DIAGNOSE_WAIT_S = HEARTBEAT_S * STALE_BEATS  # long enough for a dead peer on another host to go stale
 EXIT_CODE = 1
-PHASE_ORDER = ("start", "data", "forward", "backward", "optimizer", "sync", "checkpoint", "eval", "export", "done")
+PHASE_ORDER = ("start", "data", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint", "eval", "export", "done")
 
 _stopping = threading.Lock()
 
@@ -211,9 +212,7 @@ def _write_fault(output_dir: Path, rank: int, record: dict[str, Any]) -> None:
     path = fault_file(output_dir, rank)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(record), encoding="utf-8")
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(record))
     except OSError:
         pass
 

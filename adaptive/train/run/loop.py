@@ -222,11 +222,7 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
         if log_step and not engine_internals.reports_grad_norm(engine):
             norm = _local_grad_norm(engine)
         engine.step()
-        if engine.was_step_applied():
-            loop.callbacks.on_optimizer_step(state, control)
-        else:  # DeepSpeed found an overflow (fp16 loss scaling) and skipped the update itself
-            state.skipped_steps += 1
-            state.last_skip = "overflow"
+        _after_update(state, control, loop)
     state.scheduler.step()
     _apply_lr_scale(state, loop)
     state.last_grad_norm = None if skip else (norm if norm is not None else engine_internals.reported_grad_norm(engine))
@@ -239,8 +235,9 @@ def _pipeline_step(state: TrainerState, control: Control, loop: Loop,
     micro-batch's loss and router statistics; a skip asked for cannot discard it."""
     from adaptive.train.run import pipeline_step
 
-    engine = state.model
-    stats, outputs = pipeline_step.train_batch(engine, micro_batches, loop.device)
+    loop.progress.phase = "pipeline"  # forward, backward and the update, interleaved inside the schedule
+    stats, outputs = pipeline_step.train_batch(state.model, micro_batches, loop.device)
+    loop.progress.phase = "optimizer"
     for i, (batch, out) in enumerate(zip(micro_batches, outputs)):
         state.micro_step = i
         loop.callbacks.on_backward_end(state, control, outputs=out, loss=out.loss, batch=batch)
@@ -249,15 +246,20 @@ def _pipeline_step(state: TrainerState, control: Control, loop: Loop,
                        "itself; the step ran", state.step + 1)
         control.skip_step = False
     state.last_skip = None
-    if engine.was_step_applied():
-        loop.callbacks.on_optimizer_step(state, control)
-    else:  # DeepSpeed found an overflow (fp16 loss scaling) and skipped the update itself
-        state.skipped_steps += 1
-        state.last_skip = "overflow"
+    _after_update(state, control, loop)
     state.scheduler.step()
     _apply_lr_scale(state, loop)
-    state.last_grad_norm = engine_internals.reported_grad_norm(engine) if _is_log_step(state.step + 1, loop) else None
+    state.last_grad_norm = engine_internals.reported_grad_norm(state.model) if _is_log_step(state.step + 1, loop) else None
     return stats
+
+
+def _after_update(state: TrainerState, control: Control, loop: Loop) -> None:
+    """The callbacks hear of an applied update; an update DeepSpeed skipped itself (an fp16 overflow) is counted."""
+    if state.model.was_step_applied():
+        loop.callbacks.on_optimizer_step(state, control)
+    else:
+        state.skipped_steps += 1
+        state.last_skip = "overflow"
 
 
 def step_micro_batches(step_batch: dict[str, torch.Tensor], knobs: Knobs, loop: Loop) -> list[dict[str, torch.Tensor]]:

@@ -255,7 +255,7 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
     global_tokens = None
     layout = layout_pins(par, source)
     pinned_sp, pinned_tp = layout["sp_size"] or 1, layout["tp_size"] or 1
-    pp = par.pp_size or 1
+    pp = layout["pp_size"] or 1
     if pp > 1:
         zero = pipeline_zero(pp, zero, pinned_sp, pinned_tp, ep_size, arch, world)
     # --grad-accum is DeepSpeed's gradient_accumulation_steps: a replica's micro-steps per optimizer step. Under
@@ -283,7 +283,7 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
         tokens=tokens, zero=zero, offload=offload, micro_batch=micro, grad_accum=accum,
         checkpointing=checkpointing, ep_size=ep_size, checkpoint_policy=policy,
         sp_size=layout.get("sp_size"), tp_size=layout.get("tp_size"), zero_hpz=layout.get("zero_hpz"),
-        zero_quantize=layout.get("zero_quantize"), pp_size=par.pp_size,
+        zero_quantize=layout.get("zero_quantize"), pp_size=layout["pp_size"],
     )
     # fit refuses, in one line, a layout DeepSpeed or this runtime cannot train (plan/estimate/parallel.py layout_error)
     plan = fit(request, suggest=not cpu)
@@ -368,12 +368,13 @@ def pipeline_partition(method: str) -> str:
 
 
 def layout_pins(par: Any, source: DeepSpeedSource) -> dict[str, Any]:
-    """--sp-size, --tp-size, --zero-hpz and --zero-quantize, merged with the values a DeepSpeed file pins
-    (its sequence_parallel_size, tensor_parallel.autotp_size, zero_optimization.zero_hpz_partition_size
-    and zero_quantized_weights/gradients); a flag that contradicts the file is an error."""
+    """--sp-size, --tp-size, --zero-hpz, --zero-quantize and --pp-size, merged with the values a DeepSpeed file
+    pins (its sequence_parallel_size, tensor_parallel.autotp_size, zero_optimization.zero_hpz_partition_size,
+    zero_quantized_weights/gradients and pipeline.stages: a pipeline the planner chose reaches the recipe there);
+    a flag that contradicts the file is an error."""
     pinned = source.pins or {}  # the reader's pins: autotp_size 0 (off) already reads as tp_size 1
     return {key: _merge_pin(key, getattr(par, key), pinned.get(key), source)
-            for key in ("sp_size", "tp_size", "zero_hpz", "zero_quantize")}
+            for key in ("sp_size", "tp_size", "zero_hpz", "zero_quantize", "pp_size")}
 
 
 def zero_plus(layout: dict[str, Any]) -> dict[str, Any]:

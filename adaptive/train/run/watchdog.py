@@ -1,6 +1,7 @@
 """Where each rank is, and a thread that stops a rank which stopped making progress.
 
-The loop sets `Progress.phase` (data, forward, backward, optimizer, sync, checkpoint, eval, export)
+The loop sets `Progress.phase` (data, forward, backward, optimizer, sync, checkpoint, eval, export;
+pipeline: DeepSpeed's pipeline schedule, which runs forward, backward and the update)
 and `Progress.step` as plain attribute assignments, and calls `step_begins`/`step_done` around each
 optimizer step: nothing it does costs more than a clock read.
 

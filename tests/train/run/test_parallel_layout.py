@@ -124,3 +124,15 @@ def test_a_resume_with_another_sp_or_tp_size_is_refused_in_one_line(tmp_path):
     # a checkpoint written before the fields: sp and tp 1
     old = {k: v for k, v in ours.as_dict().items() if k not in ("sp_size", "tp_size")}
     assert Knobs(**old).sp_size == 1 and Knobs(**old).tp_size == 1
+
+
+def test_a_pipeline_in_the_deepspeed_file_reaches_the_run_without_a_flag(tmp_path):
+    """launch hands the recipe the DeepSpeed config the planner wrote: a pipeline the planner chose (no --pp-size)
+    is its `pipeline.stages`, and the run trains that pipeline; a flag that contradicts the file is one line."""
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "pipeline": {"stages": 2}}))
+    run = run_plan("--ds-config", str(path))
+    assert run.knobs.pp_size == 2
+    assert run_plan().knobs.pp_size == 1
+    with pytest.raises(AdaptiveError, match=r"^--pp-size 1 contradicts 2 in .*ds_config.json$"):
+        run_plan("--ds-config", str(path), "--pp-size", "1")
