@@ -410,22 +410,33 @@ def _collect_router_stats(config: AdaptiveConfig, outputs: list[LayerOutput]):
     if not moe and not mod:
         return None, None
     stats = AdaptiveRouterStats(moe_layers=tuple(config.moe_layers), mod_layers=tuple(config.mod_layers))
-    aux = 0.0
     if moe:
         stats.expert_counts = torch.stack([m.expert_counts for m in moe])
         stats.dropped_fraction = torch.stack([m.dropped_fraction for m in moe])
         stats.load_balancing_loss = torch.stack([m.l_aux for m in moe])
         stats.z_loss = torch.stack([m.z_loss for m in moe])
         stats.router_entropy = torch.stack([m.gate_entropy for m in moe])
-        aux = aux + config.router_aux_loss_coef * stats.load_balancing_loss.mean()
-        if config.router_z_loss_coef:
-            aux = aux + config.router_z_loss_coef * stats.z_loss.mean()
     if mod:
         stats.mod_skip_rate = torch.stack([m.skip_rate for m in mod])
         stats.mod_router_agreement = torch.stack([m.router_agreement for m in mod])
         stats.mod_bce_loss = torch.stack([m.bce_loss for m in mod])
-        aux = aux + config.mod_aux_loss_coef * stats.mod_bce_loss.mean()
+    aux = router_aux_loss(config, stats.load_balancing_loss.mean() if moe else None,
+                          stats.z_loss.mean() if moe else None, stats.mod_bce_loss.mean() if mod else None)
     return aux, stats
+
+
+def router_aux_loss(config: AdaptiveConfig, load_balancing: torch.Tensor | None, z_loss: torch.Tensor | None,
+                    mod_bce: torch.Tensor | None) -> torch.Tensor | float:
+    """The routers' term of the loss from their per-layer means (None: no such layers): each mean times its
+    coefficient. One place for the pipelined model too (pipeline.py)."""
+    aux = 0.0
+    if load_balancing is not None:
+        aux = aux + config.router_aux_loss_coef * load_balancing
+        if config.router_z_loss_coef:
+            aux = aux + config.router_z_loss_coef * z_loss
+    if mod_bce is not None:
+        aux = aux + config.mod_aux_loss_coef * mod_bce
+    return aux
 
 
 class AdaptivePreTrainedModel(PreTrainedModel):

@@ -37,7 +37,7 @@ from adaptive.errors import AdaptiveError
 from adaptive.models.configuration_adaptive import AdaptiveConfig
 from adaptive.models.lean import ChunkedLMLossFunction, loss_chunk_tokens, shift_labels
 from adaptive.models.modeling_adaptive import (AdaptiveDecoderLayer, AdaptiveRMSNorm, AdaptiveRotaryEmbedding,
-                                               AdaptiveRouterStats)
+                                               AdaptiveRouterStats, router_aux_loss)
 from adaptive.plan.estimate.activations import parse_checkpoint_policy
 
 PARTITIONS = ("parameters", "uniform")  # or type:REGEX (DeepSpeed's partition_method)
@@ -232,15 +232,11 @@ def lm_loss(weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, le
 
 
 def router_loss(config: AdaptiveConfig, sums: torch.Tensor) -> torch.Tensor:
-    """coefficient x mean over the routed layers, as `_collect_router_stats` weighs them."""
-    aux = 0.0
-    if config.moe_layers:
-        aux = aux + config.router_aux_loss_coef * (sums[0] / len(config.moe_layers))
-        if config.router_z_loss_coef:
-            aux = aux + config.router_z_loss_coef * (sums[1] / len(config.moe_layers))
-    if config.mod_layers:
-        aux = aux + config.mod_aux_loss_coef * (sums[2] / len(config.mod_layers))
-    return aux
+    """The HF model's router term (`router_aux_loss`) from the sums the stages carried: their means over the
+    routed layers."""
+    moe, mod = len(config.moe_layers), len(config.mod_layers)
+    return router_aux_loss(config, sums[0] / moe if moe else None, sums[1] / moe if moe else None,
+                           sums[2] / mod if mod else None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any
 
 from adaptive.durable import atomic_write_text
 from adaptive.errors import AdaptiveError
+from adaptive.orchestrator.run_records import read_records
 
 JOB_RECORD = "slurm_job.json"
 _FIELD = re.compile(r"(\w+)=(\S*)")
@@ -82,16 +83,10 @@ def run_progress(run_dir: Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
     out: dict[str, Any] = {"step": None, "max_steps": None, "loss": None, "finished": False, "checkpoint": None,
                            "resumes": 0}
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError):
-        lines = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        kind = record.get("kind") if isinstance(record, dict) else None
+    metrics = run_dir / "metrics.jsonl"
+    records = read_records(metrics)[0] if metrics.is_file() else []  # the report's reader: bad lines skipped
+    for record in records:
+        kind = record.get("kind")
         if kind == "start":
             out["max_steps"] = record.get("max_steps")
             out["resumes"] += record.get("resumed_from") is not None
