@@ -5,16 +5,19 @@
 
 Every entry of adaptive/plan/evidence/corpus_runs.json is planned with the knobs its source states
 (adaptive/plan/evidence/corpus.py); each published figure is shown beside the prediction with the relative error.
-Tolerances (tests/plan/evidence/test_corpus.py): fit/OOM calls and tokens/s (+-20%) for runs of our stack's
-kind ("ours"), GPU-hours +-15% for dense models up to 13B; other stacks are shown, not held.
+Tolerances (tests/plan/evidence/test_corpus.py): fit/OOM calls for runs of our stack's kind ("ours"); speed
+(tokens/s, else TFLOP/s per GPU) +-15% for every DeepSpeed and Megatron-DeepSpeed run and +-20% on consumer GPUs
+(issue 33); GPU-hours +-15% for dense models up to 13B and for Llama 2; other stacks are shown, not held. Each
+row's stack is what the speed model was told ran it (op_times.STACKS: eager, fused, compiled).
 """
 
 from __future__ import annotations
 
 import sys
 
-from adaptive.plan.evidence.corpus import (GPU_HOURS_TOLERANCE, LARGE_GPU_HOURS_RUNS, LARGE_GPU_HOURS_TOLERANCE,
-                                  TOKENS_PER_S_TOLERANCE, comparisons, is_dense_up_to_13b, load, predict)
+from adaptive.plan.evidence.corpus import (CONSUMER_TOLERANCE, GPU_HOURS_TOLERANCE, LARGE_GPU_HOURS_RUNS,
+                                           LARGE_GPU_HOURS_TOLERANCE, SPEED_TOLERANCE, comparisons, is_dense_up_to_13b,
+                                           load, predict)
 from adaptive.plan.search.tight import TIGHT_MARGIN
 
 
@@ -27,18 +30,23 @@ def setting(p) -> str:
             f"{' ' + s.optimizer if s.optimizer != 'auto' else ''}"
             f"{f' tp{s.tp_size}' if s.tp_size > 1 else ''}{f' sp{s.sp_size}' if s.sp_size > 1 else ''}"
             f"{f' hpZ{s.zero_hpz}' if s.zero_hpz > 1 else ''}{' qwZ' if s.zero_quantized_weights else ''}"
-            f"{' qgZ' if s.zero_quantized_gradients else ''}")
+            f"{' qgZ' if s.zero_quantized_gradients else ''}{f' pp{s.pp_size}' if s.pp_size > 1 else ''}")
 
 
 def held(p, name: str) -> str:
     kind = p.entry["stack_kind"]
     exempt = p.entry.get("exempt", {})
+    if name == "GPU-hours" and p.id == "llama2-70b-gpu-hours":
+        return f"+-{GPU_HOURS_TOLERANCE:.0%} (xfail: ZeRO-3 gathers at 2,048 GPUs)"
     if name == "GPU-hours" and is_dense_up_to_13b(p.entry):
         return "exempt" if "gpu_hours" in exempt else f"+-{GPU_HOURS_TOLERANCE:.0%}"
     if name == "GPU-hours" and p.id in LARGE_GPU_HOURS_RUNS:
         return f"+-{LARGE_GPU_HOURS_TOLERANCE:.0%}" + (" (xfail: full recompute)" if p.id.startswith("llama3.1-405b") else "")
-    if name == "tokens/s per GPU" and kind == "ours":
-        return f"+-{TOKENS_PER_S_TOLERANCE:.0%}"
+    speed = name in ("tokens/s per GPU", "TFLOP/s per GPU")
+    if speed and kind in ("ours", "deepspeed-megatron"):
+        return "exempt" if "speed" in exempt else f"+-{SPEED_TOLERANCE:.0%}"
+    if speed and p.entry["category"] == "Consumer GPUs":
+        return "exempt" if "speed" in exempt else f"+-{CONSUMER_TOLERANCE:.0%}"
     if name == "peak GiB" and kind == "ours":
         return "exempt" if "peak" in exempt else "sets margin"
     return "shown"
@@ -76,7 +84,8 @@ def main() -> None:
                 continue
             first = i == 0
             cells = [p.id if first else "", p.entry["source"] if first else "",
-                     p.entry["stack_kind"] + ": " + p.entry["stack"] if first else "", setting(p) if first else "",
+                     f"{p.entry['stack_kind']}: {p.entry['stack']} (planned as {p.plan.shown.setup.stack})" if first
+                     else "", setting(p) if first else "",
                      call if first else "", name, fmt(pub_v) if pub_v is not None else "",
                      fmt(pred_v) if pred_v is not None else "", f"{err:+.1%}" if err is not None else "",
                      held(p, name) if err is not None else ""]

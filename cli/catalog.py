@@ -58,7 +58,7 @@ def models(json_output: Json = False) -> None:
 def gpus(json_output: Json = False) -> None:
     """The GPU catalog: memory, peak 16-bit TFLOP/s, bf16, bandwidth, link, default price."""
     if json_output:
-        print(json.dumps([dict(asdict(g), hfu_assumed=figures(g.name).hfu,
+        print(json.dumps([dict(asdict(g), kernel_figures=asdict(figures(g.name).kernels),
                                inter_node_gbps=figures(g.name).inter_node_gbps) for g in CATALOG.values()], indent=2))
         return
     from rich import box
@@ -69,10 +69,11 @@ def gpus(json_output: Json = False) -> None:
     t = Table(title="GPU catalog (prices: typical on-demand USD per GPU hour; override with --price)",
               box=box.SIMPLE_HEAD)
     for col in ("gpu", "memory GiB", "TFLOP/s 16-bit", "bf16", "HBM GB/s", "intra-node link", "inter-node GB/s per GPU", "$/h",
-                "HFU assumed"):
+                "matmul TFLOP/s", "flash-attn TFLOP/s"):
         t.add_column(col, justify="left" if col in ("gpu", "intra-node link") else "right")
     for g in CATALOG.values():
         t.add_row(g.name, f"{g.memory_gib:.1f}", f"{g.peak_tflops:g}", "yes" if g.bf16 else "no (fp16)",
                   f"{g.memory_bandwidth_gbps:g}", g.link, f"{figures(g.name).inter_node_gbps:g}",
-                  f"{g.price_per_hour:.2f}", f"{figures(g.name).hfu:.0%}")
+                  f"{g.price_per_hour:.2f}", f"{g.peak_tflops * figures(g.name).kernels.matmul_fraction:.0f}",
+                  f"{figures(g.name).kernels.attention_tflops:.0f}")
     console.print(t)

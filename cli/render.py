@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from adaptive.plan.estimate.op_times import STACKS
 from adaptive.plan.search.planner import Plan
 
 if TYPE_CHECKING:
@@ -277,8 +278,9 @@ def speed_table(p: Plan) -> Table:
     speed.add_column()
     speed.add_row("tokens/s (all GPUs)", f"{t.tokens_per_second:,.0f}")
     speed.add_row("MFU", f"{t.mfu:.1%} predicted (model FLOPs over peak)")
-    speed.add_row("hardware utilisation", f"{t.utilisation:.0%} of peak in compute kernels, "
-                  f"{'calibrated' if any('utilisation' in n for n in req.calibrated) else 'assumed; --mfu'}")
+    how = ("given (--mfu)" if req.mfu is not None else "modelled per operation"
+           + (", calibrated" if req.compute_scale != 1.0 else ""))
+    speed.add_row("hardware utilisation", f"{t.utilisation:.0%} of peak over the compute time, {how}")
     speed.add_row("step time", f"{t.step_seconds:.2f} s (compute {t.compute_seconds:.2f}, comm not hidden "
                   f"{t.comm_seconds:.2f} of {t.comm_total_seconds:.2f}, "
                   f"all-to-all {t.alltoall_seconds:.2f}, offload {t.offload_seconds:.2f}"
@@ -286,6 +288,12 @@ def speed_table(p: Plan) -> Table:
                   + (f", SP all-to-all {t.sp_alltoall_seconds:.2f}" if s.sp_size > 1 else "")
                   + (f", pipeline bubble {t.pipeline_bubble_seconds:.2f}, stage sends {t.pipeline_p2p_seconds:.2f}"
                      if s.pp_size > 1 else "") + ")")
+    if t.kernels_per_step:  # the per-operation model's breakdown (none under --mfu)
+        stack = STACKS[s.stack]
+        speed.add_row("compute by kind", f"matmul {t.matmul_seconds:.2f}, attention {t.attention_seconds:.2f}, "
+                      f"memory-bound {t.memory_bound_seconds:.2f} (optimizer step {t.optimizer_seconds:.2f}), "
+                      f"launch floor {t.launch_seconds:.2f} s; {t.kernels_per_step:,.0f} kernels; "
+                      f"{stack.name} stack at {stack.efficiency:.0%} of the kernels' benchmark speed")
     speed.add_row("training tokens", f"{human(p.train_tokens)}"
                   + ("" if req.train_tokens else " (20 x active params)"))
     speed.add_row("time", duration(p.hours))

@@ -7,6 +7,7 @@ DeepSpeed's own `DeepSpeedConfig` in tests/plan/ds_config/test_emit.py.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -201,7 +202,7 @@ def candidate_dict(c: Candidate) -> dict:
         "fits_host": c.fits_host,
         "tokens_per_second": t.tokens_per_second,
         "mfu_assumed": t.utilisation,  # kept for schema v1: the same figure as hfu_assumed
-        "hfu_assumed": t.utilisation,
+        "hfu_assumed": t.utilisation,  # hardware FLOPs over compute time: what the per-op model implies, or --mfu
         "mfu_predicted": t.mfu,
         "model_flops_per_token": t.model_flops_per_token,
         "hardware_flops_per_token": t.hardware_flops_per_token,
@@ -211,6 +212,10 @@ def candidate_dict(c: Candidate) -> dict:
                                    "moe_alltoall": t.alltoall_seconds, "offload": t.offload_seconds,
                                    "pipeline_bubble": t.pipeline_bubble_seconds,
                                    "pipeline_p2p": t.pipeline_p2p_seconds},
+        # compute by kind of work (adaptive/plan/estimate/op_times.py); zeros when --mfu gave a utilisation instead
+        "compute_breakdown_seconds": {"matmul": t.matmul_seconds, "attention": t.attention_seconds,
+                                      "memory_bound": t.memory_bound_seconds, "launch": t.launch_seconds},
+        "kernels_per_step": t.kernels_per_step,
         "data_parallel_comm_total_seconds": t.comm_total_seconds,
     }
 
@@ -348,9 +353,11 @@ def assumptions(plan: Plan) -> dict:
 
     hw = figures(plan.request.gpu.name)
     return {
-        "mfu": plan.shown.throughput.utilisation,  # schema v1 name: the assumed hardware utilisation
+        "mfu": plan.shown.throughput.utilisation,  # schema v1 name: the hardware utilisation in force
         "hfu": plan.shown.throughput.utilisation,
-        "hfu_source": "given (--mfu)" if plan.request.mfu is not None else hw.hfu_source,
+        "hfu_source": "given (--mfu)" if plan.request.mfu is not None else
+        "per-operation model (adaptive/plan/estimate/op_times.py) with the kernel figures below",
+        "kernel_figures": asdict(hw.kernels),
         "cuda_context_bytes": mem.CUDA_CONTEXT_BYTES,
         "fragmentation_fraction": mem.FRAGMENTATION,
         "host_mem_bytes_per_node": plan.host_mem_bytes,

@@ -2,9 +2,10 @@
 
 Step time = compute + the communication DeepSpeed cannot hide behind it + MoE all-to-all + the CPU
 side of offload.
-- Compute: hardware FLOPs (recompute included) at an assumed hardware utilisation per GPU class
-  (hardware/figures.py, from published measurements; `--mfu` overrides it). The MFU reported is always model
-  FLOPs over peak, so checkpointing lowers MFU through the recompute, not through the assumption.
+- Compute: each operation of a micro-batch timed by its own shape (op_times.py: matmuls, attention,
+  memory-bound work, the launch floor; the optimizer step), recompute included. `--mfu` replaces that model by
+  hardware FLOPs at one given utilisation; `--calibrate RUN_DIR` scales the modelled compute by what a real run
+  measured. The MFU reported is always model FLOPs over peak.
 - Communication overlaps with compute as DeepSpeed runs it (`overlap_comm`, ZeRO-3 prefetch):
   gradient reduction hides behind the backward pass that produces the gradients, ZeRO-3's parameter
   all-gathers behind the forward/backward they feed; only the excess, the last bucket's reduction
@@ -22,6 +23,7 @@ from adaptive.plan.architecture.blocks import block_type
 from adaptive.plan.hardware.figures import NCCL_BUS_EFFICIENCY
 from adaptive.plan.hardware.gpus import GPU, figures
 from adaptive.plan.estimate.memory import TrainSetup, reduce_bucket_elements
+from adaptive.plan.estimate.op_times import STACKS, OpTimes, micro_batch_times, optimizer_times, rates_of
 from adaptive.plan.estimate.pipeline import bubble_fraction, p2p_bytes_per_micro_batch
 from adaptive.plan.estimate.pipeline import partition as stages_of
 from adaptive.plan.estimate.parallel import (QGZ_BYTES_PER_PARAM, QWZ_BYTES_PER_PARAM, expert_tp_bytes_per_moe_layer,
@@ -45,7 +47,7 @@ class Throughput:
 
     model_flops_per_token: float  # 6·N_active(matmul params) + attention, MoD-scaled
     hardware_flops_per_token: float  # + recompute under checkpointing, + padded MoE capacity slots
-    utilisation: float  # hardware FLOPs utilisation the compute kernels reach (assumption, hardware/figures.py)
+    utilisation: float  # hardware FLOPs over compute time and peak: what the per-op model implies, or --mfu
     step_seconds: float  # one optimizer step
     compute_seconds: float
     comm_seconds: float  # data-parallel collectives that cannot hide behind compute
@@ -59,6 +61,13 @@ class Throughput:
     pipeline_bubble_seconds: float = 0.0  # the (p - 1) idle slots of DeepSpeed's 1F1B schedule
     pipeline_p2p_seconds: float = 0.0  # blocking activation/gradient sends between stages (critical path)
     pipeline_bubble_fraction: float = 0.0  # (p - 1)/(m + p - 1)
+    # compute_seconds by kind of work (op_times.py), per step; all zero when --mfu gave the utilisation instead
+    matmul_seconds: float = 0.0
+    attention_seconds: float = 0.0
+    memory_bound_seconds: float = 0.0  # norms, activations, RoPE, loss, dispatch, gradients, optimizer step
+    launch_seconds: float = 0.0  # the launch floor's excess over the kernels' own time
+    kernels_per_step: float = 0.0
+    optimizer_seconds: float = 0.0  # the optimizer step on the GPU, in compute_seconds (memory-bound)
 
 
 @lru_cache(maxsize=1024)
@@ -256,7 +265,8 @@ def pipeline_allreduce_seconds(setup: TrainSetup, gpu: GPU) -> float:
     return 2 * (n - 1) / n * p16 / gbps
 
 
-def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float | None = None) -> Throughput:
+def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float | None = None,
+                        compute_scale: float = 1.0) -> Throughput:
     s = setup.spec
     counts = count_params(s)
     n = setup.world_size
@@ -264,14 +274,24 @@ def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float
     tokens_step_gpu = setup.tokens_per_micro_batch * grad_accum
     model_fpt = model_flops_per_token(s, setup.seq_len)
     hw_fpt = hardware_flops_per_token(s, setup.seq_len, setup.checkpointing, setup.capacity_factor)
-    util = mfu if mfu is not None else figures(gpu.name).hfu
-    if setup.offload_params:
-        util *= PARAM_OFFLOAD_EFFICIENCY
     # a model replica's tp x sp GPUs share its tokens' FLOPs (Ulysses splits attention by heads)
-    compute = tokens_step_gpu * hw_fpt / (util * gpu.peak_tflops * 1e12) / (setup.tp_size * setup.sp_size)
-    # forward = a third of the model FLOPs; backward the rest, recompute included
-    micro = compute / grad_accum
-    fwd_micro = micro * (model_fpt / 3) / hw_fpt
+    hw_flops_gpu = tokens_step_gpu * hw_fpt / (setup.tp_size * setup.sp_size)
+    slow = 1.0 / (PARAM_OFFLOAD_EFFICIENCY if setup.offload_params else 1.0)
+    if mfu is not None:  # a given utilisation replaces the model, calibration included
+        micro_ops = step_ops = OpTimes()
+        micro = hw_flops_gpu / (mfu * gpu.peak_tflops * 1e12) * slow / grad_accum
+        fwd_micro = micro * (model_fpt / 3) / hw_fpt  # forward = a third of the model FLOPs
+    else:
+        rates = rates_of(gpu)
+        times = micro_batch_times(setup, rates)
+        slow *= compute_scale / STACKS[setup.stack].efficiency
+        micro_ops, step_ops = times.total.scaled(slow), optimizer_times(setup, rates).scaled(slow)
+        micro = micro_ops.total_s
+        fwd_micro = times.forward.total_s * slow
+    optimizer = step_ops.total_s  # once per step, after the last micro-batch
+    micro_batches = micro * grad_accum
+    compute = micro_batches + optimizer
+    util = hw_flops_gpu / (compute * gpu.peak_tflops * 1e12)
     comm, comm_total = data_parallel_comm(setup, gpu, grad_accum, fwd_micro, micro - fwd_micro)
     tp_comm, sp_comm = model_parallel_comm(setup, gpu, grad_accum)
 
@@ -307,11 +327,14 @@ def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float
         m, p = grad_accum, setup.pp_size
         share = slowest_stage_share(s, setup.seq_len, p, hw_fpt - 6.0 * s.vocab_size * s.hidden_size, hw_fpt)
         layer_share = max(st.blocks for st in stages_of(s, p)) / s.num_hidden_layers
-        compute, tp_comm, alltoall = compute * share, tp_comm * layer_share, alltoall * layer_share
+        micro_batches, tp_comm, alltoall = micro_batches * share, tp_comm * layer_share, alltoall * layer_share
+        micro_ops = micro_ops.scaled(share)
+        compute = micro_batches + optimizer
         p2p = m * p2p_seconds_per_micro_batch(setup, gpu)
-        bubble = (p - 1) / m * (compute + tp_comm + alltoall + p2p)
+        bubble = (p - 1) / m * (micro_batches + tp_comm + alltoall + p2p)
         comm = comm_total = pipeline_allreduce_seconds(setup, gpu)
     step = compute + comm + tp_comm + sp_comm + alltoall + offload + bubble + p2p
+    ops = micro_ops.scaled(grad_accum) + step_ops
     tokens_per_second = tokens_step_gpu * setup.dp_size / step
     peak = gpu.peak_tflops * 1e12 * n
     return Throughput(
@@ -331,6 +354,12 @@ def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float
         pipeline_bubble_seconds=bubble,
         pipeline_p2p_seconds=p2p,
         pipeline_bubble_fraction=bubble_fraction(setup.pp_size, grad_accum),
+        matmul_seconds=ops.matmul_s,
+        attention_seconds=ops.attention_s,
+        memory_bound_seconds=ops.memory_s,
+        launch_seconds=ops.launch_s,
+        kernels_per_step=ops.kernels,
+        optimizer_seconds=optimizer,
     )
 
 

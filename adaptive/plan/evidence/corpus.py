@@ -41,6 +41,9 @@ TOKENS_PER_S_TOLERANCE = 0.20  # runs of our stack's kind
 # Issue 12: Meta's 70B-405B runs at their GPU counts, planned with DeepSpeed's TP/SP/ZeRO++
 LARGE_GPU_HOURS_TOLERANCE = 0.30
 LARGE_GPU_HOURS_RUNS = ("llama2-70b-gpu-hours", "llama3-70b-gpu-hours", "llama3.1-405b-gpu-hours")
+# Issue 33: step time of every DeepSpeed / Megatron-DeepSpeed run; runs on consumer GPUs
+SPEED_TOLERANCE = 0.15
+CONSUMER_TOLERANCE = 0.20
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,8 @@ def request_for(entry: dict) -> FitRequest:
         gradient_checkpointing=k.get("checkpointing"), ep_size=k.get("ep_size"),
         capacity_factor=k.get("capacity_factor", 1.0), mfu=k.get("hfu"),
         optimizer=optimizer or "auto", attention=k.get("attention", "sdpa"), ds_config=ds,
-        kernels=k.get("kernels", "plain"))  # published runs ran their own (transformers-style) ops, not ours
+        kernels=k.get("kernels", "plain"),  # published runs ran their own (transformers-style) ops, not ours
+        stack=k.get("kernel_stack", "eager"))  # op_times.STACKS: Megatron's fused kernels, torch.compile
 
 
 def predict(entry: dict) -> Prediction:
@@ -163,9 +167,44 @@ def activation_bytes_per_layer(p: Prediction) -> float:
     return saved
 
 
+def measured_step_seconds(p: Prediction) -> float | None:
+    """The step time the run's published speed implies for the planned step (tokens/s, else TFLOP/s per GPU)."""
+    o, t = p.entry["outcome"], p.plan.shown.throughput
+    n = p.plan.request.world_size
+    if o.get("tokens_per_s_per_gpu"):
+        return t.step_seconds * t.tokens_per_second / n / o["tokens_per_s_per_gpu"]
+    if o.get("tflops_per_gpu"):
+        return t.step_seconds * p.tflops_per_gpu / o["tflops_per_gpu"]
+    return None
+
+
+def implied_stack_efficiency(p: Prediction) -> float | None:
+    """The stack efficiency (op_times.STACKS) at which the planned step takes as long as the published speed says,
+    communication and offload kept as modelled; None without a published speed, or where those alone exceed it."""
+    from adaptive.plan.estimate.op_times import STACKS
+    from adaptive.plan.estimate.throughput import estimate_throughput
+
+    measured = measured_step_seconds(p)
+    c = p.plan.shown
+    if measured is None or p.plan.request.mfu is not None:
+        return None
+
+    def step(scale: float) -> float:
+        return estimate_throughput(c.setup, c.gpu, c.grad_accum, None, scale).step_seconds
+
+    low, high = 1e-3, 1e3  # compute scales; the step grows with the scale
+    if not step(low) < measured < step(high):
+        return None
+    for _ in range(60):
+        mid = (low * high) ** 0.5
+        low, high = (mid, high) if step(mid) < measured else (low, mid)
+    return STACKS[c.setup.stack].efficiency / low
+
+
 def is_dense_up_to_13b(entry: dict) -> bool:
     return entry["model"].get("arch", "dense") == "dense" and count_params(spec_for(entry)).total <= 13.5e9
 
 
 __all__ = ["Prediction", "load", "predict", "comparisons", "request_for", "spec_for", "is_dense_up_to_13b",
-           "GPU_HOURS_TOLERANCE", "LARGE_GPU_HOURS_RUNS", "LARGE_GPU_HOURS_TOLERANCE", "TOKENS_PER_S_TOLERANCE"]
+           "implied_stack_efficiency", "measured_step_seconds", "CONSUMER_TOLERANCE", "GPU_HOURS_TOLERANCE",
+           "LARGE_GPU_HOURS_RUNS", "LARGE_GPU_HOURS_TOLERANCE", "SPEED_TOLERANCE", "TOKENS_PER_S_TOLERANCE"]

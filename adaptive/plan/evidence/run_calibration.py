@@ -4,8 +4,8 @@ A recipe run writes `RUN_DIR/metrics.jsonl` (adaptive/train/reporting/metrics.py
 the knobs in force and the world size, then "train" records with tokens/s and, on a GPU, the peak
 allocated bytes of each interval. From those:
 
-- measured hardware utilisation: the utilisation at which the speed model reproduces the measured
-  step time at the run's own knobs (communication, all-to-all and offload kept as modelled);
+- measured compute scale: measured over modelled compute time at the run's own knobs (communication,
+  all-to-all and offload kept as modelled); every candidate's modelled compute on that GPU is scaled by it;
 - measured peak correction: the run's peak allocated bytes over the memory model's allocated peak at
   the run's own knobs. Every candidate on that GPU has its allocated peak scaled by it (the
   allowances for fragmentation and context are then added as usual).
@@ -90,7 +90,7 @@ def calibrate(req, m: RunMeasurement):
                             f"({params:,}); calibrate with a run of the same model")
     per_node = min(m.world_size, 8)
     run_req = replace(req, gpus_per_node=per_node, num_nodes=max(1, m.world_size // per_node), peak_correction=1.0,
-                      mfu=None, calibrated=())
+                      compute_scale=1.0, mfu=None, calibrated=())
     tokens = m.micro_batch_size * m.grad_accum * m.world_size * m.seq_len
     c = evaluate(run_req, req.spec, m.seq_len, m.micro_batch_size, m.zero_stage, m.offload, m.checkpointing,
                  m.ep_size, tokens, host_mem_for(run_req))
@@ -100,15 +100,15 @@ def calibrate(req, m: RunMeasurement):
     compute = measured_step - other
     if compute <= 0:
         raise AdaptiveError(f"run {m.run_dir!r}: measured step {measured_step:.3f} s is shorter than the modelled "
-                            f"communication and offload ({other:.3f} s); cannot calibrate utilisation")
-    hfu = min(1.0, t.utilisation * t.compute_seconds / compute)
+                            f"communication and offload ({other:.3f} s); cannot calibrate the compute time")
+    scale = compute / t.compute_seconds
     factor = m.peak_allocated_bytes / c.memory.allocated_peak_bytes
-    notes = (f"hardware utilisation {hfu:.1%} (measured: {m.tokens_per_s:,.0f} tokens/s over {m.records} "
-             f"records of {m.run_dir}; the model assumed {t.utilisation:.1%})",
+    notes = (f"compute time x{scale:.3f} (measured: {m.tokens_per_s:,.0f} tokens/s over {m.records} records of "
+             f"{m.run_dir}; hardware utilisation {t.utilisation / scale:.1%} where the model gave {t.utilisation:.1%})",
              f"peak memory x{factor:.3f} (measured {m.peak_allocated_bytes / 2**30:.2f} GiB allocated vs "
              f"{c.memory.allocated_peak_bytes / 2**30:.2f} GiB predicted at the run's knobs: ZeRO-{m.zero_stage}, "
              f"micro-batch {m.micro_batch_size}, seq {m.seq_len})")
-    return replace(req, mfu=req.mfu if req.mfu is not None else hfu, peak_correction=factor,
+    return replace(req, compute_scale=scale, peak_correction=factor,
                    calibrated=req.calibrated + notes)
 
 

@@ -10,7 +10,11 @@ from __future__ import annotations
 import re
 
 from adaptive.errors import AdaptiveError, closest, require_positive
-from adaptive.plan.hardware.figures import A100_HFU_SOURCE, DEFAULT_FIGURES, H100_HFU_SOURCE, ClassFigures
+from adaptive.plan.hardware.figures import DEFAULT_FIGURES, ClassFigures
+from adaptive.plan.hardware.kernel_figures import (A10G_KERNELS, A100_40_KERNELS, A100_80_KERNELS, B200_KERNELS,
+                                                   H100_PCIE_KERNELS, H100_SXM_KERNELS, H200_KERNELS, L4_KERNELS,
+                                                   L40S_KERNELS, MI300X_KERNELS, RTX3090_KERNELS, RTX4090_KERNELS,
+                                                   RTX5090_KERNELS, T4_KERNELS, V100_KERNELS)
 from adaptive.record import record
 
 GiB = 2**30
@@ -45,7 +49,7 @@ _ROWS = (
     GPU(name="t4-16gb", memory_bytes=15360 * MiB, peak_tflops=65.0, bf16=False,
         memory_bandwidth_gbps=320, link="PCIe 3.0 x16", link_gbps=16,
         price_per_hour=0.35, figures=ClassFigures(
-            hfu=0.25, hfu_source="no published large-model training measurement; stated guess (fp16, small caches)",
+            kernels=T4_KERNELS,
             intra_node_source="PCIe 3.0 x16: 16 GB/s per direction (PCI-SIG)",
             inter_node_gbps=1.5, inter_node="100 Gb/s Ethernet per 8-GPU node (AWS g4dn.metal)",
             inter_node_source="AWS EC2 G4 instance specs"),
@@ -53,7 +57,7 @@ _ROWS = (
     GPU(name="rtx3090-24gb", memory_bytes=24576 * MiB, peak_tflops=71.0, bf16=True,
         memory_bandwidth_gbps=936, link="PCIe 4.0 x16", link_gbps=25,
         price_per_hour=0.22, figures=ClassFigures(
-            hfu=0.35, hfu_source="stated guess (GeForce, fp32 accumulation)",
+            kernels=RTX3090_KERNELS,
             intra_node_source="PCIe 4.0 x16: 32 GB/s line rate, ~25 usable",
             inter_node_gbps=1.5, inter_node="100 Gb/s Ethernet per 8-GPU node",
             inter_node_source="typical workstation NIC"),
@@ -61,7 +65,7 @@ _ROWS = (
     GPU(name="rtx4090-24gb", memory_bytes=24564 * MiB, peak_tflops=165.0, bf16=True,
         memory_bandwidth_gbps=1008, link="PCIe 4.0 x16 (no P2P)", link_gbps=20,
         price_per_hour=0.34, figures=ClassFigures(
-            hfu=0.35, hfu_source="stated guess (GeForce, fp32 accumulation)",
+            kernels=RTX4090_KERNELS,
             intra_node_source="PCIe 4.0 x16, no P2P",
             inter_node_gbps=1.5, inter_node="100 Gb/s Ethernet per 8-GPU node",
             inter_node_source="typical workstation NIC"),
@@ -69,7 +73,7 @@ _ROWS = (
     GPU(name="rtx5090-32gb", memory_bytes=32607 * MiB, peak_tflops=209.5, bf16=True,
         memory_bandwidth_gbps=1792, link="PCIe 5.0 x16 (no P2P)", link_gbps=25,
         price_per_hour=0.69, figures=ClassFigures(
-            hfu=0.35, hfu_source="stated guess (GeForce)",
+            kernels=RTX5090_KERNELS,
             intra_node_source="PCIe 5.0 x16, no P2P",
             inter_node_gbps=1.5, inter_node="100 Gb/s Ethernet per 8-GPU node",
             inter_node_source="typical workstation NIC"),
@@ -78,7 +82,7 @@ _ROWS = (
     GPU(name="a10g-24gb", memory_bytes=23028 * MiB, peak_tflops=125.0, bf16=True,
         memory_bandwidth_gbps=600, link="PCIe 4.0 x16", link_gbps=25,
         price_per_hour=1.01, figures=ClassFigures(
-            hfu=0.25, hfu_source="A10G reaches ~70 of its 125 datasheet TFLOP/s in practice; 0.25 of 125",
+            kernels=A10G_KERNELS,
             intra_node_source="PCIe 4.0 x16",
             inter_node_gbps=1.5, inter_node="100 Gb/s per 8-GPU g5.48xlarge",
             inter_node_source="AWS EC2 G5 instance specs"),
@@ -86,7 +90,7 @@ _ROWS = (
     GPU(name="l4-24gb", memory_bytes=23034 * MiB, peak_tflops=121.0, bf16=True,
         memory_bandwidth_gbps=300, link="PCIe 4.0 x16", link_gbps=25,
         price_per_hour=0.70, figures=ClassFigures(
-            hfu=0.30, hfu_source="stated guess",
+            kernels=L4_KERNELS,
             intra_node_source="PCIe 4.0 x16",
             inter_node_gbps=1.5, inter_node="100 Gb/s per 8-GPU g6.48xlarge",
             inter_node_source="AWS EC2 G6 instance specs"),
@@ -94,7 +98,7 @@ _ROWS = (
     GPU(name="l40s-48gb", memory_bytes=46068 * MiB, peak_tflops=362.0, bf16=True,
         memory_bandwidth_gbps=864, link="PCIe 4.0 x16", link_gbps=25,
         price_per_hour=0.86, figures=ClassFigures(
-            hfu=0.35, hfu_source="stated guess",
+            kernels=L40S_KERNELS,
             intra_node_source="PCIe 4.0 x16",
             inter_node_gbps=5.0, inter_node="400 Gb/s per 8-GPU g6e.48xlarge",
             inter_node_source="AWS EC2 G6e instance specs"),
@@ -102,7 +106,7 @@ _ROWS = (
     GPU(name="a100-40gb", memory_bytes=40960 * MiB, peak_tflops=312.0, bf16=True,
         memory_bandwidth_gbps=1555, link="NVLink 3 (600 GB/s)", link_gbps=300,
         price_per_hour=1.29, figures=ClassFigures(
-            hfu=0.43, hfu_source=A100_HFU_SOURCE,
+            kernels=A100_40_KERNELS,
             intra_node_source="NVLink 3: 600 GB/s total, 300 per direction (NVIDIA A100 datasheet)",
             inter_node_gbps=25.0, inter_node="8 x 200 Gb/s HDR InfiniBand per 8-GPU node",
             inter_node_source="NVIDIA DGX A100 datasheet (8 single-port ConnectX-6 HDR for compute)"),
@@ -110,7 +114,7 @@ _ROWS = (
     GPU(name="a100-80gb", memory_bytes=81920 * MiB, peak_tflops=312.0, bf16=True,
         memory_bandwidth_gbps=2039, link="NVLink 3 (600 GB/s)", link_gbps=300,
         price_per_hour=1.79, figures=ClassFigures(
-            hfu=0.43, hfu_source=A100_HFU_SOURCE,
+            kernels=A100_80_KERNELS,
             intra_node_source="NVLink 3: 600 GB/s total, 300 per direction (NVIDIA A100 datasheet)",
             inter_node_gbps=25.0, inter_node="8 x 200 Gb/s HDR InfiniBand per 8-GPU node",
             inter_node_source="NVIDIA DGX A100 datasheet (8 single-port ConnectX-6 HDR for compute)"),
@@ -118,7 +122,7 @@ _ROWS = (
     GPU(name="h100-80gb", memory_bytes=81559 * MiB, peak_tflops=989.0, bf16=True,
         memory_bandwidth_gbps=3350, link="NVLink 4 (900 GB/s)", link_gbps=450,
         price_per_hour=2.99, figures=ClassFigures(
-            hfu=0.40, hfu_source=H100_HFU_SOURCE,
+            kernels=H100_SXM_KERNELS,
             intra_node_source="NVLink 4: 900 GB/s total, 450 per direction (NVIDIA H100 datasheet)",
             inter_node_gbps=50.0, inter_node="8 x 400 Gb/s NDR InfiniBand per 8-GPU node",
             inter_node_source="NVIDIA DGX H100 datasheet (8 ConnectX-7 NDR 400 Gb/s for compute); AWS p5 3200 Gb/s"),
@@ -126,7 +130,7 @@ _ROWS = (
     GPU(name="h100-pcie-80gb", memory_bytes=81559 * MiB, peak_tflops=756.0, bf16=True,
         memory_bandwidth_gbps=2000, link="PCIe 5.0 x16", link_gbps=50,
         price_per_hour=2.49, figures=ClassFigures(
-            hfu=0.38, hfu_source=H100_HFU_SOURCE,
+            kernels=H100_PCIE_KERNELS,
             intra_node_source="PCIe 5.0 x16 (NVLink bridge pairs only)",
             inter_node_gbps=25.0, inter_node="1 x 200 Gb/s per GPU",
             inter_node_source="typical H100 PCIe server build"),
@@ -134,7 +138,7 @@ _ROWS = (
     GPU(name="h200-141gb", memory_bytes=143771 * MiB, peak_tflops=989.0, bf16=True,
         memory_bandwidth_gbps=4800, link="NVLink 4 (900 GB/s)", link_gbps=450,
         price_per_hour=3.79, figures=ClassFigures(
-            hfu=0.40, hfu_source=H100_HFU_SOURCE,
+            kernels=H200_KERNELS,
             intra_node_source="NVLink 4: 900 GB/s total (NVIDIA H200 datasheet)",
             inter_node_gbps=50.0, inter_node="8 x 400 Gb/s NDR InfiniBand per 8-GPU node",
             inter_node_source="NVIDIA DGX H200 datasheet"),
@@ -142,7 +146,7 @@ _ROWS = (
     GPU(name="b200-180gb", memory_bytes=183359 * MiB, peak_tflops=2250.0, bf16=True,
         memory_bandwidth_gbps=8000, link="NVLink 5 (1800 GB/s)", link_gbps=900,
         price_per_hour=5.99, figures=ClassFigures(
-            hfu=0.40, hfu_source="no public DeepSpeed measurement yet; Hopper's figure",
+            kernels=B200_KERNELS,
             intra_node_source="NVLink 5: 1.8 TB/s total, 900 per direction (NVIDIA B200 datasheet)",
             inter_node_gbps=50.0, inter_node="8 x 400 Gb/s ConnectX-7 per 8-GPU node",
             inter_node_source="NVIDIA DGX B200 datasheet"),
@@ -150,7 +154,7 @@ _ROWS = (
     GPU(name="mi300x-192gb", memory_bytes=196592 * MiB, peak_tflops=1307.0, bf16=True,
         memory_bandwidth_gbps=5300, link="Infinity Fabric (896 GB/s)", link_gbps=448,
         price_per_hour=2.99, figures=ClassFigures(
-            hfu=0.30, hfu_source="stated guess (ROCm kernels)",
+            kernels=MI300X_KERNELS,
             intra_node_source="Infinity Fabric: 7 x 64 GB/s per direction (AMD MI300X datasheet)",
             inter_node_gbps=50.0, inter_node="8 x 400 Gb/s per 8-GPU node",
             inter_node_source="Azure ND MI300X v5 specs (400 Gb/s InfiniBand per GPU)"),
@@ -161,9 +165,7 @@ _ROWS = (
     GPU(name="v100-32gb", memory_bytes=32510 * MiB, peak_tflops=125.0, bf16=False,
         memory_bandwidth_gbps=900, link="NVLink 2 (300 GB/s)", link_gbps=150,
         price_per_hour=2.48, figures=ClassFigures(
-            hfu=0.35, hfu_source="Megatron-LM (arXiv 1909.08053) 39 TFLOP/s per V100 = 30% of 125 at 512 GPUs "
-                                 "incl. model parallel; ZeRO paper (arXiv 1910.02054): 100B at 15 PFLOP/s on "
-                                 "400 V100, ~38 per GPU",
+            kernels=V100_KERNELS,
             intra_node_source="NVLink 2: 300 GB/s total, 150 per direction (NVIDIA V100 datasheet)",
             inter_node_gbps=12.5, inter_node="8 x 100 Gb/s EDR InfiniBand per DGX-2 node of 16 GPUs (~6 GB/s per "
                                              "GPU); AWS p3dn 100 Gb/s per 8 GPUs",

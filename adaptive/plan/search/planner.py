@@ -71,9 +71,11 @@ class FitRequest:
     attention: str = "sdpa"  # sdpa | eager (eager keeps the score-sized tensors)
     ds_config: DeepSpeedBuckets | None = None  # a user's DeepSpeed JSON: buckets, overlap_comm (pins are merged in)
     peak_correction: float = 1.0  # measured/predicted allocated peak of a real run on this GPU (--calibrate RUN_DIR)
+    compute_scale: float = 1.0  # measured/modelled compute time of a real run on this GPU (--calibrate RUN_DIR)
     calibrated: tuple[str, ...] = ()  # which figures are calibrated, and from what
     calibration_source: str | None = None  # --calibrate: "calibration file PATH" or "run folder PATH"
     kernels: str = "lean"  # lean: adaptive's models; plain: transformers' Llama-style ops (activations.py)
+    stack: str = "eager"  # time only (op_times.STACKS): eager PyTorch + DeepSpeed, fused, compiled
     # off | full | selective (the planner picks among SELECTIVE_POLICIES) | a pinned policy (mlp, every:N);
     # None: gradient_checkpointing decides (None there too: the planner tries off, selective, full)
     checkpointing: str | None = None
@@ -104,7 +106,8 @@ class Candidate:
     fits_gpu: bool
     fits_host: bool
     gpu: GPU  # the throughput is estimated for this GPU
-    mfu: float | None = None  # --mfu: the assumed hardware utilisation, None for the GPU class's
+    mfu: float | None = None  # --mfu: a given hardware utilisation instead of the per-op model
+    compute_scale: float = 1.0  # --calibrate RUN_DIR: measured over modelled compute
 
     @property
     def grad_accum(self) -> int:
@@ -114,7 +117,7 @@ class Candidate:
     def throughput(self) -> Throughput:
         """Estimated when first asked: most candidates a search evaluates do not fit, and only fitting ones
         (or, without a fit, those that fit the GPU) are ever ranked by speed."""
-        return estimate_throughput(self.setup, self.gpu, self.grad_accum, self.mfu)
+        return estimate_throughput(self.setup, self.gpu, self.grad_accum, self.mfu, self.compute_scale)
 
     @property
     def fits(self) -> bool:
@@ -405,17 +408,18 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
     policy = ("full" if ckpt else "off") if isinstance(ckpt, bool) else ckpt
     setup, memory = _setup_and_memory(spec, seq, micro, zero, offload, policy, ep, accum, layout, req.gpus_per_node,
                                       req.num_nodes, req.capacity_factor, req.calibration, req.optimizer,
-                                      req.attention, not req.gpu.bf16, req.kernels, req.ds_config)
+                                      req.attention, not req.gpu.bf16, req.kernels, req.ds_config, req.stack)
     mem = corrected(memory, req.peak_correction)
     return Candidate(setup=setup, memory=mem, fits_gpu=mem.peak_gpu_bytes <= req.gpu.memory_bytes,
-                     fits_host=mem.host_bytes_per_node <= host_mem, gpu=req.gpu, mfu=req.mfu)
+                     fits_host=mem.host_bytes_per_node <= host_mem, gpu=req.gpu, mfu=req.mfu,
+                     compute_scale=req.compute_scale)
 
 
 @lru_cache(maxsize=4096, typed=True)  # one large request (b70 MoE on 8 H100s, not fitting) holds ~3,600
 def _setup_and_memory(spec: ModelSpec, seq: int, micro: int, zero: int, offload: str, policy: str, ep: int,
                       accum: int, layout: Layout, gpus_per_node: int, num_nodes: int, capacity_factor: float,
                       calibration: Calibration | None, optimizer: str, attention: str, fp16: bool, kernels: str,
-                      ds: DeepSpeedBuckets | None) -> tuple[TrainSetup, MemoryEstimate]:
+                      ds: DeepSpeedBuckets | None, stack: str = "eager") -> tuple[TrainSetup, MemoryEstimate]:
     """A candidate's setup and its memory, which does not depend on the GPU it is planned for (its precision is
     in the setup): "what would fit" searches GPU after GPU over the same setups, so each is built and estimated
     once (both are pure functions of these arguments)."""
@@ -427,7 +431,7 @@ def _setup_and_memory(spec: ModelSpec, seq: int, micro: int, zero: int, offload:
                        gradient_checkpointing=policy == "full", gpus_per_node=gpus_per_node,
                        num_nodes=num_nodes, ep_size=ep, capacity_factor=capacity_factor,
                        calibration=calibration, gradient_accumulation_steps=accum, optimizer=optimizer,
-                       attention=attention, fp16=fp16, kernels=kernels,
+                       attention=attention, fp16=fp16, kernels=kernels, stack=stack,
                        checkpoint_policy=None if policy in ("off", "full") else policy, tp_size=layout.tp,
                        sp_size=layout.sp, pp_size=layout.pp, zero_hpz=layout.hpz, zero_quantized_weights=layout.qwz,
                        zero_quantized_gradients=layout.qgz, **buckets)

@@ -205,9 +205,10 @@ def test_b70_moe_on_64_h100_fits_only_with_expert_tensor_parallelism():
     assert without.closest.memory.parts["params"] == int(2 * (counts.total - counts.expert + counts.expert / 8))
     plan = fit(req, suggest=False)
     s = plan.shown.setup
-    assert plan.fits and s.tp_size == 8 and s.ep_size == 8 and s.dp_size == 8
+    t = s.tp_size  # the fastest layout that fits (4 or 8 on these 64 GPUs)
+    assert plan.fits and t > 1 and s.ep_size == 8 and s.dp_size == 64 // t
     norms = (2 * s.spec.num_hidden_layers + 1) * s.spec.hidden_size  # the only weights AutoTP keeps whole
-    sharded = (counts.total - counts.expert - norms) / 8 + counts.expert / (8 * 8)
+    sharded = (counts.total - counts.expert - norms) / t + counts.expert / (8 * t)
     assert plan.shown.memory.parts["params"] == pytest.approx(2 * (sharded + norms), rel=1e-9)
     # the host-RAM formula for an offload plan: DeepSpeed's ZeRO-2 offload estimator (max(4 x GPUs, 16) bytes
     # per param, x1.5) applied to what each group replicates: the dense part over all GPUs, the routed experts

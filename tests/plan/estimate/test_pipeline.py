@@ -27,13 +27,18 @@ def test_fewer_micro_batches_per_step_cost_tokens_per_second_by_the_1f1b_bubble(
     for m, plan in plans.items():
         assert plan.fits and plan.shown.setup.pp_size == p and plan.shown.grad_accum == m
         assert plan_dict(plan)["pipeline_bubble_fraction"] == pytest.approx((p - 1) / (m + p - 1))
-    # a step is (m + p - 1) slots of one micro-batch on the slowest stage, and carries m micro-batches: the
-    # tokens/s at m over those at 16 is (m / (m + p - 1)) / (16 / (16 + p - 1)), computed here by hand
+    # a step is (m + p - 1) slots of one micro-batch on the slowest stage, then the stage's gradient all-reduce and
+    # its optimizer step: the slot, (step - all-reduce - optimizer) / (m + p - 1), is the same at every m, and the
+    # bubble is (p - 1) of them
     speed = {m: plan.shown.throughput.tokens_per_second for m, plan in plans.items()}
     assert speed[2] < speed[4] < speed[16]
-    for m in (2, 4):
-        by_hand = (m / (m + p - 1)) / (16 / (16 + p - 1))
-        assert speed[m] / speed[16] == pytest.approx(by_hand, rel=1e-9)
+    slots = {}
+    for m, plan in plans.items():
+        t = plan.shown.throughput
+        assert t.optimizer_seconds > 0
+        slots[m] = (t.step_seconds - t.comm_seconds - t.optimizer_seconds) / (m + p - 1)
+        assert t.pipeline_bubble_seconds == pytest.approx((p - 1) * slots[m], rel=1e-9)
+    assert slots[2] == pytest.approx(slots[16], rel=1e-9) and slots[4] == pytest.approx(slots[16], rel=1e-9)
 
 
 def test_stages_split_by_parameters_and_the_first_holds_p_micro_batches():
