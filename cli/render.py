@@ -260,8 +260,8 @@ def knobs_table(p: Plan) -> Table:
     for k, v, used in (("tensor-parallel size" + (" (in each stage)" if s.pp_size > 1 else " (AutoTP)"), s.tp_size,
                         s.tp_size > 1),
                        ("sequence-parallel size (Ulysses)", s.sp_size, s.sp_size > 1),
-                       ("pipeline stages (pp)", f"{s.pp_size} ({c.grad_accum} micro-batches per step, bubble "
-                        f"{bubble:.1%})", s.pp_size > 1),
+                       ("pipeline stages (pp)", f"{s.pp_size} ({c.grad_accum} micro-batches per step, DeepSpeed's "
+                        f"non-interleaved 1F1B, bubble {bubble:.1%})", s.pp_size > 1),
                        ("data-parallel replicas", s.dp_size, s.tp_size * s.sp_size * s.pp_size > 1),
                        ("ZeRO++", zeropp(s), s.zero_hpz > 1 or s.zero_quantized_weights or s.zero_quantized_gradients)):
         if used:

@@ -205,7 +205,8 @@ def test_ep_advice_follows_the_all_to_all_share():
     from adaptive.plan import fit, make_request
 
     config = EPAdviceConfig()
-    plan = fit(make_request(model="b1", arch="moe", gpu="h100", gpus=8), suggest=False)
+    # pinned to the launch being advised (ep 8, micro-batch 8), whatever layout the planner would pick today
+    plan = fit(make_request(model="b1", arch="moe", gpu="h100", gpus=8, micro_batch=8, ep_size=8), suggest=False)
     assert valid_ep_sizes(8, 8) == [1, 2, 4, 8] and valid_ep_sizes(8, 6) == [1, 2]
     high = recommend_ep_size(8, 8, 8, 0.6, 0.2, plan, config)
     assert high.ep_size == 4 and "all-to-all 60.0%" in high.reason and "--ep-size 4" in high.command

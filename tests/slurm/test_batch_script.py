@@ -60,8 +60,8 @@ def test_time_and_signal_come_from_the_plan_and_a_pin_caps_the_time():
      "error: --partition takes comma-separated names of letters, digits and _.-, got 'gpu\\n#SBATCH --uid=0'"),
     (["--account", "$(id)"], "error: --account takes letters, digits and _.- (at most 64), got '$(id)'"),
     (["--time", "1h"], "error: --time takes a Slurm time: MINUTES, HH:MM:SS or DAYS-HH[:MM[:SS]], got '1h'"),
-    (["--time", "10"], "error: --time 10 is shorter than one checkpoint interval (1000 steps x 0.5 s = 8 min) and the "
-                       "120 s warning: give at least --time 0-00:11:00 or a smaller --checkpoint-every"),
+    (["--time", "10"], "error: --time 10 is shorter than one checkpoint interval (1000 steps x 0.7 s = 12 min) and the "
+                       "120 s warning: give at least --time 0-00:15:00 or a smaller --checkpoint-every"),
     (["--submit", "--dry-run"], "error: --submit submits the job and --dry-run only writes it: give one of them"),
     (["--main-process-ip", "10.0.0.1"], "error: --scheduler slurm picks the nodes, their ranks and the main node: "
                                         "drop --hostfile, --main-process-ip and --machine-rank"),
