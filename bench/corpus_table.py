@@ -2,6 +2,8 @@
 
     python bench/corpus_table.py            # markdown table on stdout
     python bench/corpus_table.py --summary  # error summary only
+    python bench/corpus_table.py --versus-constant  # each published speed: the error of one utilisation per GPU
+                                                    # class (the model before issue 33) beside the per-op model's
 
 Every entry of adaptive/plan/evidence/corpus_runs.json is planned with the knobs its source states
 (adaptive/plan/evidence/corpus.py); each published figure is shown beside the prediction with the relative error.
@@ -56,7 +58,40 @@ def fmt(v: float) -> str:
     return f"{v:,.3g}" if abs(v) < 1000 else f"{v:,.0f}"
 
 
+# The hardware utilisation per GPU class that step time rested on before issue 33 (hardware/figures.py then)
+CLASS_CONSTANT = {"a100": 0.43, "h100": 0.40, "h200": 0.40, "v100": 0.35, "t4": 0.25, "rtx3090": 0.35, "rtx4090": 0.35}
+
+
+def versus_constant() -> None:
+    """Each published speed's error under the class constant (given as the request's mfu, which replaces the
+    per-operation model as --mfu does) and under the per-operation model."""
+    from dataclasses import replace
+
+    from adaptive.plan.evidence.corpus import Prediction, request_for
+    from adaptive.plan.search.planner import fit
+
+    print("| run | stack kind | figure | class constant | per-operation |")
+    print("|---|---|---|---|---|")
+    for e in load():
+        new = {c[0]: c for c in comparisons(predict(e))}
+        req = request_for(e)
+        constant = next((v for k, v in CLASS_CONSTANT.items() if e["gpu"].startswith(k)), 0.35)
+        plan = fit(replace(req, mfu=req.mfu or constant), suggest=False)
+        t, n = plan.shown.throughput, req.world_size
+        tokens = e["knobs"].get("train_tokens")
+        old = Prediction(entry=e, plan=plan, fits=plan.fits, peak_gib=0.0, tokens_per_s=t.tokens_per_second,
+                         tflops_per_gpu=t.tokens_per_second * t.hardware_flops_per_token / n / 1e12, mfu=t.mfu,
+                         gpu_hours=tokens / t.tokens_per_second * n / 3600 if tokens else None)
+        before = {c[0]: c for c in comparisons(old)}
+        for name in ("tokens/s per GPU", "TFLOP/s per GPU", "GPU-hours"):
+            if name in new:
+                print(f"| {e['id']} | {e['stack_kind']} | {name} | {before[name][3]:+.1%} | {new[name][3]:+.1%} |")
+
+
 def main() -> None:
+    if "--versus-constant" in sys.argv:
+        versus_constant()
+        return
     preds = [predict(e) for e in load()]
     summary_only = "--summary" in sys.argv
     if not summary_only:

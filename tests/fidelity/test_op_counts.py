@@ -110,3 +110,29 @@ def test_the_matmul_flops_are_what_torchs_flop_counter_counts():
     ours += sum(head_times(spec, w, r, phase).matmul_flops for phase in ("fwd", "bwd"))
     assert ours == pytest.approx(theirs, rel=1e-9)
     assert not math.isclose(ours, 0.0)
+
+
+@pytest.mark.parametrize("arch, tolerance", [("moe", 0.08), ("hybrid", 0.10), ("mod", 0.10)])
+def test_routed_blocks_memory_bound_bytes_are_near_the_real_ones(arch, tolerance):
+    """MoE dispatch/combine and MoD gather/scatter, on a shape the coefficients were not counted on."""
+    h, f, seq, batch = 320, 768, 96, 3
+
+    def step(layers):
+        torch.manual_seed(0)
+        spec = spec_from_shape(shape(h, f, 5, 5, layers), arch)
+        model = AdaptiveForCausalLM(AdaptiveConfig.from_spec(spec, kernels="lean", attn_implementation="sdpa"))
+        model = model.to(torch.bfloat16)
+        ids = torch.randint(0, 1024, (batch, seq))
+        fwd, bwd = OpCount(), OpCount()
+        with fwd:
+            loss = model(input_ids=ids, labels=ids).loss
+        with bwd:
+            loss.backward()
+        return (fwd.bytes, bwd.bytes), spec
+
+    (two, _), (four, spec) = step(2), step(4)
+    r = Rates(peak_flops=312e12, bytes_per_s=1.0, kf=get_gpu("a100-80gb").figures.kernels)  # seconds = bytes
+    w = Work(tokens=seq * batch, seq=seq, tp=1, sp=1, ep=1, capacity_factor=1.0, kernels="lean", attention="sdpa")
+    for i, phase in enumerate(("fwd", "bwd")):
+        ours = sum(layer_times(spec, t, w, r, phase).memory_s for t in spec.layer_types[2:4])
+        assert four[i] - two[i] == pytest.approx(ours, rel=tolerance), phase

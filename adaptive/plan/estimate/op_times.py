@@ -11,12 +11,13 @@ One micro-batch on one GPU is a list of kernels, each timed by what bounds it:
 - memory-bound work (norms, RoPE, activations, residuals, the loss, MoE dispatch, MoD gather/scatter, gradient
   accumulation, the optimizer step) by the bytes it reads and writes over the achievable memory bandwidth. The
   per-token bytes and kernel counts of our blocks are counted on the real model classes, op by op
-  (tests/plan/estimate/test_op_times.py re-counts them with a TorchDispatchMode on shapes not used here);
+  (tests/fidelity/test_op_counts.py re-counts them with a TorchDispatchMode on shapes not used here);
 - a launch floor per kernel: no kernel takes less than the time to issue it from eager PyTorch, which is what
   bounds a tiny model.
 
 Checkpointing recomputes the forward of what it drops (all layers, every N-th, or the MLP halves). The figures
-per GPU class, each with its source, are in hardware/gpus.py (`KernelFigures`, hardware/figures.py).
+per GPU class, each with its source, are in hardware/kernel_figures.py. A software stack sustains a measured share
+of these kernel speeds over a whole run (`STACKS`).
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ from functools import lru_cache
 from adaptive.plan.architecture.params import count_params
 from adaptive.plan.architecture.blocks import block_type
 from adaptive.plan.architecture.presets import ModelSpec
-from adaptive.plan.hardware.figures import KernelFigures
+from adaptive.plan.hardware.kernel_figures import KernelFigures
 from adaptive.record import record
 
 # Bytes read and written per token by the memory-bound ops of one decoder block, as coefficients of the
 # widths they touch (h hidden, q = heads·head_dim, kv = kv_heads·head_dim, f SwiGLU width), and kernels per block.
 # "plain" (transformers-style ops) and "lean" (adaptive/models/lean.py) are counted with a TorchDispatchMode over
 # the real blocks in bf16: every aten op that is neither a matmul, attention nor a view, its inputs' and outputs'
-# bytes (tests/plan/estimate/test_op_times.py counts them again on other shapes). Per block half:
+# bytes (tests/fidelity/test_op_counts.py counts them again on other shapes). Per block half:
 #   attention half: RMSNorm (fp32 upcast, square, mean, rsqrt, scale, cast, weight) + residual add: attn_h·h;
 #                   RoPE on q and k (cos/sin products, rotate_half's cat and neg): rope·(q + kv)
 #   MLP half:       RMSNorm + residual add: mlp_h·h; SiLU and the gate product: swiglu·f
@@ -59,11 +60,12 @@ HEAD_FWD = {"plain": (48.0, 18.0), "lean": (48.0, 18.0), "fused": (10.0, 6.0)}
 HEAD_BWD = {"plain": (98.1, 26.0), "lean": (96.3, 40.0), "fused": (20.0, 6.0)}
 HEAD_TABLE_FWD, HEAD_TABLE_BWD = 2.0, {"plain": 2.0, "lean": 6.0, "fused": 2.0}
 HEAD_KERNELS = {"plain": (25, 21), "lean": (30, 28), "fused": (4, 6)}
-# MoE: the router's softmax/top-k and the dispatch to and combine from k·cf slots per token (16-bit), per token;
+# MoE: the router's fp32 softmax and top-k, the sort of the slots by expert, the gather into k·cf slots per token
+# and the weighted scatter back, per slot and hidden unit (counted on our MoE block like the dense ones above);
 # MoD: the router score, top-k over the sequence, the gather of the chosen tokens and the scatter back.
-MOE_DISPATCH_BYTES_PER_SLOT_H = 8.0  # dispatch writes a slot, combine reads it back and weights it: 2 + 2, x2 r/w
-MOE_ROUTER_KERNELS, MOD_ROUTER_KERNELS = 16, 10
-BACKWARD_BYTES_FACTOR = 2.0  # the dispatch/gather ops' backward moves their forward bytes twice
+MOE_DISPATCH_BYTES_PER_SLOT_H = {"fwd": 34.0, "bwd": 48.0}
+MOE_ROUTER_KERNELS, MOD_ROUTER_KERNELS = 27, 10
+BACKWARD_BYTES_FACTOR = 2.0  # MoD's gather/scatter backward moves its forward bytes twice
 # Eager attention: HF's scores (16-bit), mask add, fp32 softmax and its cast back, per score element
 EAGER_SCORE_BYTES_FWD, EAGER_SCORE_BYTES_BWD = 20.0, 24.0
 # FlashAttention's backward runs 2.5x its forward's matmul FLOPs (FlashAttention-2 paper's convention)
@@ -87,8 +89,8 @@ class Stack:
     source: str
 
 
-# Each efficiency is measured on one published run of its stack (tests/plan/estimate/test_op_times.py recomputes it
-# from the corpus); the corpus's other runs of the stack check it (docs/BENCHMARKS.md).
+# Each efficiency is measured on published runs of its stack (tests/plan/evidence/test_corpus.py recomputes it from
+# the corpus); the corpus's other runs of the stack check it (docs/BENCHMARKS.md).
 STACKS = {s.name: s for s in (
     Stack("eager", None, 0.61,
           "eager PyTorch modules on DeepSpeed (adaptive's recipes, transformers' models): the median over the 8 "
@@ -262,8 +264,7 @@ def _mlp_half(s: ModelSpec, w: Work, tokens: float, experts: bool, r: Rates,
     slots = tokens * s.num_experts_per_tok * w.capacity_factor  # this GPU's tokens' slots, spread over EP ranks
     rows = slots / s.num_local_experts * w.ep  # each local expert's rows: all EP ranks' tokens for it
     out = out + _linear(tokens, s.num_local_experts, h, r, phases=(phase,))  # router
-    factor = 1.0 if phase == "fwd" else BACKWARD_BYTES_FACTOR
-    out = out + _memory(factor * MOE_DISPATCH_BYTES_PER_SLOT_H * slots * h, factor * MOE_ROUTER_KERNELS, r)
+    out = out + _memory(MOE_DISPATCH_BYTES_PER_SLOT_H[phase] * slots * h, MOE_ROUTER_KERNELS, r)
     out = out + swiglu(rows, s.moe_intermediate_size, e_local)
     if s.shared_expert_intermediate_size:
         out = out + swiglu(tokens, s.shared_expert_intermediate_size, 1)
@@ -301,8 +302,6 @@ def head_times(s: ModelSpec, w: Work, r: Rates, phase: str) -> OpTimes:
     return out + _memory(w.tokens * (per_h * h + per_v * v / w.tp) + table * v * h / w.tp, k, r)
 
 
-
-
 def local_params(setup) -> float:
     """Parameters one GPU holds whole before ZeRO partitions them: its experts (1/ep), its TP shards."""
     from adaptive.plan.estimate.parallel import tp_sharded_params
@@ -325,7 +324,7 @@ def work_of(setup) -> Work:
 @lru_cache(maxsize=4096)
 def _layers(s: ModelSpec, w: Work, r: Rates, phase: str, half: str) -> OpTimes:
     out = OpTimes()
-    for t in set(s.layer_types):  # each block type once, times its count
+    for t in dict.fromkeys(s.layer_types):  # each block type once (in a fixed order), times its count
         out = out + layer_times(s, t, w, r, phase, half).scaled(s.layer_types.count(t))
     return out
 

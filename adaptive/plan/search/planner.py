@@ -438,31 +438,24 @@ def _setup_and_memory(spec: ModelSpec, seq: int, micro: int, zero: int, offload:
     return setup, estimate_memory(setup)
 
 
-# ZeRO++ is taken only for at least this much more speed: qwZ/qgZ quantize what is communicated (int8
-# weights, int4 gradients) and hpZ holds a second copy of the parameters, so a rounding-level gain is not worth it
-ZEROPP_MIN_GAIN = 0.02
+# Candidates within this much of the fastest are a tie, decided by `_preference`: a rounding-level gain in the
+# predicted speed is not worth a more complex layout (ZeRO++'s quantized collectives and second parameter copy,
+# a higher ZeRO stage's per-layer gathers, more parallel dimensions)
+SPEED_TIE = 0.02
 
 
 def _best_of(fitting: list[Candidate]) -> Candidate:
-    best = max(fitting, key=_preference)
-    s = best.setup
-    if not (s.zero_hpz > 1 or s.zero_quantized_weights or s.zero_quantized_gradients):
-        return best
-    plain = [c for c in fitting if c.setup.zero_hpz == 1 and not c.setup.zero_quantized_weights
-             and not c.setup.zero_quantized_gradients]
-    if plain:
-        alt = max(plain, key=_preference)
-        if best.throughput.tokens_per_second < (1 + ZEROPP_MIN_GAIN) * alt.throughput.tokens_per_second:
-            return alt
-    return best
+    fastest = max(c.throughput.tokens_per_second for c in fitting)
+    return max((c for c in fitting if c.throughput.tokens_per_second * (1 + SPEED_TIE) >= fastest), key=_preference)
 
 
 def _preference(c: Candidate) -> tuple:
-    """Highest predicted throughput; ties go to bigger micro-batches, no offload, more memory headroom,
-    lower ZeRO."""
+    """Among candidates as fast as the fastest (SPEED_TIE), the simplest: no ZeRO++, fewer GPUs per model replica,
+    no offload, lower ZeRO, fewer expert-parallel ranks; then bigger micro-batches, more memory headroom, speed."""
     s = c.setup
-    return (round(c.throughput.tokens_per_second, 6), s.micro_batch_size, not s.offload_optimizer,
-            -c.memory.peak_gpu_bytes, -s.zero_stage, -s.ep_size, -s.pp_size, -s.tp_size * s.sp_size, -s.zero_hpz)
+    zeropp = s.zero_hpz > 1 or s.zero_quantized_weights or s.zero_quantized_gradients
+    return (not zeropp, -s.tp_size * s.sp_size, -s.pp_size, not s.offload_optimizer, -s.zero_stage, -s.ep_size,
+            s.micro_batch_size, -c.memory.peak_gpu_bytes, c.throughput.tokens_per_second)
 
 
 def pp_candidates(req: FitRequest) -> list[int]:
@@ -488,7 +481,7 @@ def search(req: FitRequest, spec: ModelSpec, global_tokens: int, host_mem: int,
         found, more = _search_layouts(replace(req, pp_size=pp), spec, global_tokens, host_mem, ckpts)
         evaluated += more
         if found is not None and (best is None or found.throughput.tokens_per_second
-                                  > best.throughput.tokens_per_second):
+                                  > (1 + SPEED_TIE) * best.throughput.tokens_per_second):
             best = found
     return best, evaluated
 
