@@ -75,5 +75,5 @@ def gpus(json_output: Json = False) -> None:
         t.add_row(g.name, f"{g.memory_gib:.1f}", f"{g.peak_tflops:g}", "yes" if g.bf16 else "no (fp16)",
                   f"{g.memory_bandwidth_gbps:g}", g.link, f"{figures(g.name).inter_node_gbps:g}",
                   f"{g.price_per_hour:.2f}", f"{g.peak_tflops * figures(g.name).kernels.matmul_fraction:.0f}",
-                  f"{figures(g.name).kernels.attention_tflops:.0f}")
+                  f"{g.peak_tflops * figures(g.name).kernels.attention_fraction:.0f}")
     console.print(t)

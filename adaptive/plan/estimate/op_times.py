@@ -200,7 +200,7 @@ def _linear(tokens: float, n_out: float, k_in: float, r: Rates, count: float = 1
 def attention_tflops(head_dim: int, seq: int, r: Rates) -> float:
     """Flash attention's forward+backward TFLOP/s (FlashAttention-2's FLOPs convention) at this head size and
     sequence: the long-sequence figure at head dim 128, lowered for short sequences and small heads."""
-    return (r.kf.attention_tflops * seq / (seq + r.kf.attention_half_seq)
+    return (r.kf.attention_fraction * r.peak_flops / 1e12 * seq / (seq + r.kf.attention_half_seq)
             * head_dim / (head_dim + r.kf.attention_half_head_dim) * (128 + r.kf.attention_half_head_dim) / 128)
 
 

@@ -1,9 +1,9 @@
 """Per-GPU-class figures the speed model needs, each with its source (held by each row of gpus.py).
 
 - `kernels`: what the step-time model (estimate/op_times.py) times each operation with: the largest
-  achievable dense matmul rate and how it falls for small dimensions, flash attention's rate, the achievable
-  memory bandwidth and the launch floor (`KernelFigures`), each from a published benchmark. `--mfu` replaces
-  the whole model by one utilisation. The model FLOPs utilisation (MFU) `fit` reports is always model FLOPs
+  achievable dense matmul rate and the SMs its tiles fill, flash attention's rate, the achievable memory
+  bandwidth and the launch floor (`KernelFigures` in kernel_figures.py), each from a published benchmark.
+  `--mfu` replaces the compute model by one utilisation. The model FLOPs utilisation (MFU) `fit` reports is always model FLOPs
   over peak, after communication and recompute.
 - `inter_node_gbps`: GB/s per GPU, one direction, between nodes, from the vendors' system specs
   (NICs per node x line rate / GPUs per node). Intra-node links are the catalog's `link_gbps`

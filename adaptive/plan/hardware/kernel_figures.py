@@ -22,7 +22,7 @@ class KernelFigures:
     matmul_fraction: float  # the largest achievable dense 16-bit matmul rate, over the datasheet peak
     sm_count: int  # streaming multiprocessors (compute units): a GEMM's output tiles run in waves of this many
     matmul_source: str
-    attention_tflops: float  # flash attention forward+backward, head dim 128, long causal sequences
+    attention_fraction: float  # flash attention forward+backward over the dense peak: head dim 128, long causal
     attention_half_seq: float  # a sequence s scales it by s / (s + attention_half_seq)
     attention_half_head_dim: float  # a head dim d by d / (d + this), relative to 128
     attention_source: str
@@ -32,7 +32,7 @@ class KernelFigures:
     launch_source: str
 
     def __hash__(self) -> int:  # a cache key of op_times on the planner's hot path
-        return hash((self.matmul_fraction, self.sm_count, self.attention_tflops, self.memory_fraction,
+        return hash((self.matmul_fraction, self.sm_count, self.attention_fraction, self.memory_fraction,
                      self.launch_us))
 
 
@@ -59,17 +59,18 @@ LAUNCH_US = 5.0
 
 def _row(fraction: float, sms: int, matmul_source: str, attention: tuple[float, float, float], attention_source: str,
          memory_fraction: float, memory_source: str = STREAM) -> KernelFigures:
-    tflops, half_seq, half_head = attention
-    return KernelFigures(matmul_fraction=fraction, sm_count=sms, matmul_source=matmul_source, attention_tflops=tflops,
+    share, half_seq, half_head = attention
+    return KernelFigures(matmul_fraction=fraction, sm_count=sms, matmul_source=matmul_source, attention_fraction=share,
                          attention_half_seq=half_seq, attention_half_head_dim=half_head,
                          attention_source=attention_source, memory_fraction=memory_fraction, memory_source=memory_source,
                          launch_us=LAUNCH_US, launch_source=LAUNCH)
 
 
-# FlashAttention-2's curves fitted as tflops·s/(s + half_seq)·(d/(d + half_head))/(128/(128 + half_head)):
-# A100 195, 495, 16 (within 2% of every causal point above); H100 339, 553, 23.5
-A100_ATTENTION = (195.0, 495.0, 16.0)
-H100_ATTENTION = (339.0, 553.0, 23.5)
+# FlashAttention-2's curves fitted as tflops·s/(s + half_seq)·(d/(d + half_head))/(128/(128 + half_head)), kept as
+# a share of the peak (so --gpu-tflops moves it too): A100 195 TFLOP/s, 495, 16 (within 2% of every causal point
+# above); H100 339, 553, 23.5
+A100_ATTENTION = (195.0 / 312, 495.0, 16.0)
+H100_ATTENTION = (339.0 / 989, 553.0, 23.5)
 V100_GEMM = ("cuBLAS fp16 GEMM at 8192 cubed on a V100 PCIe: ~101 TFLOP/s, 90% of its 112 peak (NVIDIA developer "
              "forums, 'Understanding IPC and issue slot utilization when using tensor cores', thread 79781)")
 NO_SWEEP = "no published sweep for this GPU: A100 PCIe's MAMF fraction (252.9 of 312), " + MAMF
@@ -81,39 +82,37 @@ A100_80_KERNELS = _row(271.2 / 312, 108, f"{MAMF}: A100 SXM 271.2 of 312; {GEMM_
 H100_SXM_KERNELS = _row(794.5 / 989, 132, f"{MAMF}: H100 SXM 794.5 of 989; {GEMM_SWEEPS}", H100_ATTENTION, FA2_H100,
                         2.90 / 3.35)
 H100_PCIE_KERNELS = _row(794.5 / 989, 114, f"{MAMF}: H100 SXM's fraction (same die, 114 SMs, 350 W cap)",
-                         (339.0 * 756 / 989, 553.0, 23.5), FA2_H100 + ", scaled by the peak (756 of 989)", 1704 / 2039)
+                         H100_ATTENTION, FA2_H100 + ", the same share of its peak (756)", 1704 / 2039)
 H200_KERNELS = _row(794.5 / 989, 132, f"{MAMF}: H100 SXM 794.5 of 989 ('H200 is the same')", H100_ATTENTION,
                     FA2_H100 + "; Azure/AI-benchmarking-guide FA2 at seq 8192: H200 329, H100 328", 4.01 / 4.8)
 B200_KERNELS = _row(1745.0 / 2250, 148, f"{MAMF}: B200 1745 of 2250",
-                    (374.0, 553.0, 23.5), "Azure/AI-benchmarking-guide: FlashAttention-2 on GB200, head dim 128, seq "
+                    (374.0 / 2250, 553.0, 23.5), "Azure/AI-benchmarking-guide: FlashAttention-2 on GB200, head dim 128, seq "
                     "8192: 373.9 TFLOP/s (FlashAttention-2 is not tuned for Blackwell); H100's curve shape", 4.01 / 4.8,
                     STREAM + "; none for B200: H200's fraction")
 MI300X_KERNELS = _row(668.4 / 1307, 304, f"{MAMF}: MI300X 668.4 (ROCm 6.3, TunableOp)",
-                      (365.0, 495.0, 16.0), "Azure/AI-benchmarking-guide (samuel-bohman fork): FlashAttention-2 on "
-                      "MI300X, head dim 64, seq 8192: 328.6 TFLOP/s; A100's curve shape", 4.11 / 5.3)
+                      (365.0 / 1307, 495.0, 16.0), "Azure/AI-benchmarking-guide (samuel-bohman fork): FlashAttention-2 on "
+                      "MI300X, head dim 64, seq 8192: 328.6 TFLOP/s (365 at head dim 128, long sequences); A100's curve shape",
+                      4.11 / 5.3)
 # Volta and Turing run no FlashAttention-2: PyTorch SDPA's memory-efficient kernel. The only published figure is
 # ssiu/flash-attention-turing's: the memory-efficient kernel at 28-30% "compute throughput" on a T4; taken as 0.3 of peak.
 MEM_EFFICIENT = ("PyTorch SDPA memory-efficient kernel (no FlashAttention-2 before Ampere); ssiu/flash-attention-turing "
                  "utils/Compute_Throughput.png: 27.8-30.3% on T4, taken as 0.3 of peak; A100's curve shape")
-V100_KERNELS = _row(0.90, 80, V100_GEMM, (0.3 * 125, 495.0, 16.0), MEM_EFFICIENT, 802 / 900)
-T4_KERNELS = _row(0.811, 40, NO_SWEEP + " (a 70 W card: clocks fall under sustained load)", (0.3 * 65, 495.0, 16.0),
+V100_KERNELS = _row(0.90, 80, V100_GEMM, (0.3, 495.0, 16.0), MEM_EFFICIENT, 802 / 900)
+T4_KERNELS = _row(0.811, 40, NO_SWEEP + " (a 70 W card: clocks fall under sustained load)", (0.3, 495.0, 16.0),
                   MEM_EFFICIENT, 239.6 / 320, "CUDA samples bandwidthTest device-to-device on a T4: 239.6 of 320 GB/s "
                   "(router-gao/cuda-demo cuda-samples/02-cuda-bandwidth.md)")
 # GeForce and the workstation/inference parts: FlashAttention-2 on an RTX 4090 (apache/tvm tl_doc/flash_perf.md,
-# seq 2048, causal, head dim 128: forward 151, backward 99 TFLOP/s, so 108 forward+backward); others scaled by peak
-RTX4090_ATTENTION = (108.0 * (2048 + 495) / 2048, 495.0, 16.0)
+# seq 2048, causal, head dim 128: forward 151, backward 99 TFLOP/s, so 108 forward+backward); the same share of the
+# peak for the other Ampere/Ada parts
+ADA_ATTENTION = (108.0 * (2048 + 495) / 2048 / 165.0, 495.0, 16.0)
 ADA_SOURCE = ("apache/tvm tl_doc/flash_perf.md: FlashAttention-2 on an RTX 4090, seq 2048, causal, head dim 128, "
               "forward 151 and backward 99 TFLOP/s (108 forward+backward); A100's curve shape")
+SHARE = ", the RTX 4090's share of the peak"
 
-
-def _scaled(peak: float) -> tuple[float, float, float]:
-    return (RTX4090_ATTENTION[0] * peak / 165.0, 495.0, 16.0)
-
-
-RTX4090_KERNELS = _row(0.811, 128, NO_SWEEP, RTX4090_ATTENTION, ADA_SOURCE, 770 / 864)
-RTX5090_KERNELS = _row(0.811, 170, NO_SWEEP, _scaled(209.5), ADA_SOURCE + ", scaled by the peak", 770 / 864)
-L40S_KERNELS = _row(0.811, 142, NO_SWEEP, _scaled(362.0), ADA_SOURCE + ", scaled by the peak", 770 / 864)
-L4_KERNELS = _row(0.811, 58, NO_SWEEP, _scaled(121.0), ADA_SOURCE + ", scaled by the peak", 770 / 864)
-RTX3090_KERNELS = _row(0.811, 82, NO_SWEEP, _scaled(71.0), ADA_SOURCE + ", scaled by the peak", 652 / 696)
-A10G_KERNELS = _row(0.811, 80, NO_SWEEP, _scaled(125.0), ADA_SOURCE + ", scaled by the peak", 652 / 696)
+RTX4090_KERNELS = _row(0.811, 128, NO_SWEEP, ADA_ATTENTION, ADA_SOURCE, 770 / 864)
+RTX5090_KERNELS = _row(0.811, 170, NO_SWEEP, ADA_ATTENTION, ADA_SOURCE + SHARE, 770 / 864)
+L40S_KERNELS = _row(0.811, 142, NO_SWEEP, ADA_ATTENTION, ADA_SOURCE + SHARE, 770 / 864)
+L4_KERNELS = _row(0.811, 58, NO_SWEEP, ADA_ATTENTION, ADA_SOURCE + SHARE, 770 / 864)
+RTX3090_KERNELS = _row(0.811, 82, NO_SWEEP, ADA_ATTENTION, ADA_SOURCE + SHARE, 652 / 696)
+A10G_KERNELS = _row(0.811, 80, NO_SWEEP, ADA_ATTENTION, ADA_SOURCE + SHARE, 652 / 696)
 DEFAULT_KERNELS = _row(0.811, 108, NO_SWEEP, A100_ATTENTION, FA2_A100 + " (a GPU outside the catalog: A100's)", 0.85)

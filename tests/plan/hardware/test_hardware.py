@@ -18,7 +18,7 @@ def test_every_catalog_gpu_has_cited_class_figures():
     for name, f in CLASS.items():
         k = f.kernels
         assert 0 < k.matmul_fraction < 1 and 0 < k.memory_fraction < 1 and f.inter_node_gbps > 0, name
-        assert 0 < k.attention_tflops < CATALOG[name].peak_tflops and k.sm_count > 0 and k.launch_us > 0, name
+        assert 0 < k.attention_fraction < 1 and k.sm_count > 0 and k.launch_us > 0, name
         assert k.matmul_source and k.attention_source and k.memory_source and k.launch_source, name
         assert f.inter_node_source and f.intra_node_source, name
     assert figures("a100-40gb*") == CLASS["a100-40gb"]  # a catalog GPU with overrides keeps its class
