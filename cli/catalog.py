@@ -56,10 +56,10 @@ def models(json_output: Json = False) -> None:
 
 
 def gpus(json_output: Json = False) -> None:
-    """The GPU catalog: memory, peak 16-bit TFLOP/s, bf16, bandwidth, link, default price."""
+    """The GPU catalog: memory, peak 16-bit TFLOP/s, bf16, bandwidth, link, default price, kernel speeds."""
     if json_output:
-        print(json.dumps([dict(asdict(g), kernel_figures=asdict(figures(g.name).kernels),
-                               inter_node_gbps=figures(g.name).inter_node_gbps) for g in CATALOG.values()], indent=2))
+        print(json.dumps([dict(asdict(g), inter_node_gbps=figures(g.name).inter_node_gbps) for g in CATALOG.values()],
+                         indent=2))
         return
     from rich import box
     from rich.table import Table
