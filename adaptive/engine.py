@@ -45,6 +45,9 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "self.overflow"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "self._global_grad_norm"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "self._global_grad_norm"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "self.sequence_parallel_size"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "self.reduce_scatter"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "self.contiguous_gradients"),
     ("deepspeed.moe.sharded_moe", "MOELayer", "self.wall_clock_breakdown"),
     ("deepspeed.moe.sharded_moe", "MOELayer", "self.timers"),
     ("deepspeed.moe.sharded_moe", "MOELayer", "self.time_falltoall"),
@@ -206,6 +209,22 @@ def sequence_parallel_group() -> tuple[Any, int, int]:
     from deepspeed.runtime.sequence_parallel import parallel_state_sp as sp
 
     return sp.get_sequence_parallel_group(), sp.get_sequence_parallel_rank(), sp.get_sequence_parallel_world_size()
+
+
+def ulysses_gradient_scale(engine: Any) -> float:
+    """What the loss must be multiplied by under Ulysses for DeepSpeed to leave the data-parallel gradient.
+
+    ZeRO-1/2 and ZeRO-3's all-reduce path divide the summed gradients by world / sp, the data-parallel ranks
+    (stage_1_and_2.py average_tensor, stage3.py __avg_scatter_contiguous_grads). ZeRO-3's reduce-scatter path, its
+    default (`reduce_scatter`, or gradients that are not contiguous), divides by the whole world
+    (comm/coalesced_collectives.py reduce_scatter_coalesced `div_(world_sz)`), ignoring sequence_parallel_size:
+    its gradients come out 1/sp of the data-parallel ones (measured: half the gradient norm at sp 2, so clipping
+    and Adam's epsilon then train differently)."""
+    opt = engine.optimizer
+    sp = getattr(opt, "sequence_parallel_size", 1)
+    if engine.zero_optimization_stage() == 3 and sp > 1 and (opt.reduce_scatter or not opt.contiguous_gradients):
+        return float(sp)
+    return 1.0
 
 
 def ulysses_data_adapter(batches: Any, rank: int, group: Any, size: int, device: Any) -> Any:
@@ -374,5 +393,5 @@ __all__ = ["A2A_TIMERS", "CHECKPOINT_CLASSES", "DEEPSPEED_VERSION_READ", "checkp
            "shm_comm_op_built_line",
            "moe_layers_with_timers", "moe_param_groups", "moe_timer_seconds", "reported_grad_norm",
            "reports_grad_norm", "sequence_parallel_group", "set_batch_sizes", "start_moe_timers", "stop_moe_timers",
-           "ulysses_data_adapter", "use_pipeline_grid", "use_tensor_parallel_mesh", "tensor_parallel_size",
+           "ulysses_data_adapter", "ulysses_gradient_scale", "use_pipeline_grid", "use_tensor_parallel_mesh", "tensor_parallel_size",
            "gather_tokens_for_gloo", "tensor_parallel_state_dict"]

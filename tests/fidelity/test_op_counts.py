@@ -136,3 +136,34 @@ def test_routed_blocks_memory_bound_bytes_are_near_the_real_ones(arch, tolerance
     for i, phase in enumerate(("fwd", "bwd")):
         ours = sum(layer_times(spec, t, w, r, phase).memory_s for t in spec.layer_types[2:4])
         assert four[i] - two[i] == pytest.approx(ours, rel=tolerance), phase
+
+
+def test_native_gpt2_bytes_are_transformers_gpt2_under_autocast():
+    """The "native" family (a GPT-2 of PyTorch's own LayerNorm and GELU kernels, fp32 weights under autocast, as
+    single-GPU training scripts run it): per-layer bytes, the weights' casts included, on transformers' GPT-2."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from adaptive.plan.estimate.op_times import AUTOCAST_CAST_BYTES_PER_PARAM
+
+    h, heads, seq, batch = 448, 7, 80, 3
+
+    def step(layers):
+        torch.manual_seed(0)
+        cfg = GPT2Config(n_embd=h, n_head=heads, n_layer=layers, vocab_size=1500, n_positions=seq,
+                         activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)
+        model = GPT2LMHeadModel(cfg)
+        ids = torch.randint(0, 1500, (batch, seq))
+        fwd, bwd = OpCount(), OpCount()
+        with torch.autocast("cpu", dtype=torch.bfloat16), fwd:
+            loss = model(input_ids=ids, labels=ids).loss
+        with bwd:
+            loss.backward()
+        return fwd.bytes, bwd.bytes
+
+    one, two = step(1), step(2)
+    tokens, layer_params = seq * batch, 12 * h * h  # GPT-2's block: 4h^2 attention, 8h^2 MLP (biases aside)
+    casts = AUTOCAST_CAST_BYTES_PER_PARAM["native"] / 2 * layer_params  # each phase casts the block's weights once
+    for i, c in enumerate((FWD["native"], BWD["native"])):
+        ours = tokens * (c["attn_h"] + c["mlp_h"]) * h + casts
+        assert two[i] - one[i] == pytest.approx(ours, rel=0.03), i

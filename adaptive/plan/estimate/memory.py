@@ -76,6 +76,7 @@ class TrainSetup:
     fp16: bool = False  # fp16 with loss scaling (no bf16 on the GPU): DeepSpeed's FP16_Optimizer at ZeRO-0
     kernels: str = "lean"  # adaptive's lean blocks, or "plain" (transformers' Llama ops): activations.py
     stack: str = "eager"  # time only (op_times.STACKS): the software stack that runs the kernels
+    elementwise: str | None = None  # time only: a published run's own elementwise ops (op_times.FWD), else the stack's
     checkpoint_policy: str | None = None  # selective checkpointing ("mlp", "every:N") when not full
     # beyond data parallelism (parallel.py): GPUs per model replica are tp x sp; ZeRO++ on ZeRO-3
     tp_size: int = 1  # AutoTP

@@ -43,23 +43,33 @@ from adaptive.record import record
 # once (Megatron's fused layer norm, bias-GeLU/SwiGLU, RoPE and bias-dropout-add; torch.compile; llm.c):
 #   norm 2h in + 2h out, residual add 2 x 2h in + 2h out; RoPE 2 in + 2 out per q/k value; SwiGLU 4f in + 2f out;
 #   backward reads the output gradient and the saved inputs and writes the input gradients (about twice).
+# "native" is a GPT-2 block of PyTorch's own kernels (nn.LayerNorm, nn.GELU, learned positions) under autocast with
+# fp32 weights, as single-GPU training scripts run it: the residual stream and the norms in fp32, and every weight
+# cast to 16-bit for each micro-batch (AUTOCAST_CAST_BYTES_PER_PARAM); counted on transformers' GPT2LMHeadModel
+# (activation "gelu") under torch.autocast, per h: 72 forward, 126 backward, the MLP's 4h included.
 FWD = {"plain": {"attn_h": 42.7, "rope": 19.8, "mlp_h": 42.7, "swiglu": 9.9},
        "lean": {"attn_h": 42.7, "rope": 19.8, "mlp_h": 42.7, "swiglu": 9.9},
-       "fused": {"attn_h": 10.0, "rope": 4.0, "mlp_h": 10.0, "swiglu": 3.0}}
+       "fused": {"attn_h": 10.0, "rope": 4.0, "mlp_h": 10.0, "swiglu": 3.0},
+       "native": {"attn_h": 36.1, "rope": 0.0, "mlp_h": 36.1, "swiglu": 0.0}}
 BWD = {"plain": {"attn_h": 111.7, "rope": 23.8, "mlp_h": 111.7, "swiglu": 17.9},
        "lean": {"attn_h": 103.7, "rope": 23.8, "mlp_h": 103.7, "swiglu": 27.9},  # lean recomputes SiLU·up
-       "fused": {"attn_h": 20.0, "rope": 8.0, "mlp_h": 20.0, "swiglu": 5.0}}
+       "fused": {"attn_h": 20.0, "rope": 8.0, "mlp_h": 20.0, "swiglu": 5.0},
+       "native": {"attn_h": 63.1, "rope": 0.0, "mlp_h": 63.1, "swiglu": 0.0}}
 # memory-bound kernels per block half (forward, backward), counted with the bytes
-KERNELS_FWD = {"plain": {"attn": 22, "mlp": 8}, "lean": {"attn": 22, "mlp": 8}, "fused": {"attn": 3, "mlp": 3}}
-KERNELS_BWD = {"plain": {"attn": 34, "mlp": 18}, "lean": {"attn": 32, "mlp": 16}, "fused": {"attn": 6, "mlp": 6}}
+KERNELS_FWD = {"plain": {"attn": 22, "mlp": 8}, "lean": {"attn": 22, "mlp": 8}, "fused": {"attn": 3, "mlp": 3},
+               "native": {"attn": 9, "mlp": 5}}
+KERNELS_BWD = {"plain": {"attn": 34, "mlp": 18}, "lean": {"attn": 32, "mlp": 16}, "fused": {"attn": 6, "mlp": 6},
+               "native": {"attn": 9, "mlp": 7}}
+AUTOCAST_CAST_BYTES_PER_PARAM = {"native": 12.0}  # fp32 read + 16-bit written, forward and again in backward
 # The head: final RMSNorm, the embedding lookup and its gradient, the loss over V logits (plain: an fp32 copy and
 # its log-softmax; lean: tiles, recomputed in backward; fused: one pass over the 16-bit logits each way).
 # Per token: (per h, per V), and per micro-batch per V·h (the embedding table's gradient), forward and backward;
 # kernels (forward, backward).
-HEAD_FWD = {"plain": (48.0, 18.0), "lean": (48.0, 18.0), "fused": (10.0, 6.0)}
-HEAD_BWD = {"plain": (98.1, 26.0), "lean": (96.3, 40.0), "fused": (20.0, 6.0)}
-HEAD_TABLE_FWD, HEAD_TABLE_BWD = 2.0, {"plain": 2.0, "lean": 6.0, "fused": 2.0}
-HEAD_KERNELS = {"plain": (25, 21), "lean": (30, 28), "fused": (4, 6)}
+HEAD_FWD = {"plain": (48.0, 18.0), "lean": (48.0, 18.0), "fused": (10.0, 6.0), "native": (29.8, 17.5)}
+HEAD_BWD = {"plain": (98.1, 26.0), "lean": (96.3, 40.0), "fused": (20.0, 6.0), "native": (30.5, 26.0)}
+HEAD_TABLE_FWD = {"plain": 2.0, "lean": 2.0, "fused": 2.0, "native": 10.5}
+HEAD_TABLE_BWD = {"plain": 2.0, "lean": 6.0, "fused": 2.0, "native": 22.0}
+HEAD_KERNELS = {"plain": (25, 21), "lean": (30, 28), "fused": (4, 6), "native": (10, 10)}
 # MoE: the router's fp32 softmax and top-k, the sort of the slots by expert, the gather into k·cf slots per token
 # and the weighted scatter back, per slot and hidden unit (counted on our MoE block like the dense ones above);
 # MoD: the router score, top-k over the sequence, the gather of the chosen tokens and the scatter back.
@@ -214,7 +224,7 @@ class Work:
     sp: int
     ep: int
     capacity_factor: float
-    kernels: str  # "lean" or "plain" (activations.py), or "fused" (a stack of fused elementwise kernels)
+    kernels: str  # the elementwise ops' family: "lean" or "plain" (activations.py), "fused" or "native" (FWD above)
     attention: str  # "sdpa" (flash) or "eager"
 
 
@@ -297,7 +307,7 @@ def head_times(s: ModelSpec, w: Work, r: Rates, phase: str) -> OpTimes:
     phases = ("fwd",) if phase == "fwd" else (("bwd", "fwd") if w.kernels == "lean" else ("bwd",))
     out = _linear(w.tokens, v / w.tp, h, r, phases=phases)
     per_h, per_v = (HEAD_FWD if phase == "fwd" else HEAD_BWD)[w.kernels]
-    table = HEAD_TABLE_FWD if phase == "fwd" else HEAD_TABLE_BWD[w.kernels]
+    table = (HEAD_TABLE_FWD if phase == "fwd" else HEAD_TABLE_BWD)[w.kernels]
     k = HEAD_KERNELS[w.kernels][0 if phase == "fwd" else 1]
     return out + _memory(w.tokens * (per_h * h + per_v * v / w.tp) + table * v * h / w.tp, k, r)
 
@@ -317,7 +327,7 @@ def local_params(setup) -> float:
 def work_of(setup) -> Work:
     return Work(tokens=setup.tokens_per_micro_batch / setup.sp_size, seq=setup.seq_len, tp=setup.tp_size,
                 sp=setup.sp_size, ep=setup.ep_size, capacity_factor=setup.capacity_factor,
-                kernels=STACKS[setup.stack].elementwise or setup.kernels,
+                kernels=setup.elementwise or STACKS[setup.stack].elementwise or setup.kernels,
                 attention=setup.attention)
 
 
@@ -336,7 +346,7 @@ class MicroBatchTimes:
     forward: OpTimes
     backward: OpTimes
     recompute: OpTimes
-    grad_accumulation: OpTimes  # adding this micro-batch's gradients to the 16-bit ones held
+    grad_accumulation: OpTimes  # adding this micro-batch's gradients to the 16-bit ones held (autocast's casts too)
 
     @property
     def total(self) -> OpTimes:
@@ -356,7 +366,8 @@ def micro_batch_times(setup, r: Rates) -> MicroBatchTimes:
         layers = len(s.layer_types)
         n = 1 if policy == "full" else int(policy.split(":")[1])
         redo = _layers(s, w, r, "fwd", "both").scaled(math.ceil(layers / n) / layers)
-    grads = _memory(GRAD_ACCUM_BYTES_PER_PARAM * local_params(setup), OPTIMIZER_KERNELS, r)
+    per_param = GRAD_ACCUM_BYTES_PER_PARAM + AUTOCAST_CAST_BYTES_PER_PARAM.get(w.kernels, 0.0)
+    grads = _memory(per_param * local_params(setup), OPTIMIZER_KERNELS, r)
     return MicroBatchTimes(forward=fwd, backward=bwd, recompute=redo, grad_accumulation=grads)
 
 

@@ -117,7 +117,8 @@ def request_for(entry: dict) -> FitRequest:
         capacity_factor=k.get("capacity_factor", 1.0), mfu=k.get("hfu"),
         optimizer=optimizer or "auto", attention=k.get("attention", "sdpa"), ds_config=ds,
         kernels=k.get("kernels", "plain"),  # published runs ran their own (transformers-style) ops, not ours
-        stack=k.get("kernel_stack", "eager"))  # op_times.STACKS: Megatron's fused kernels, torch.compile
+        stack=k.get("kernel_stack", "eager"),  # op_times.STACKS: Megatron's fused kernels, torch.compile
+        elementwise=k.get("elementwise"))  # op_times.FWD: "native" for a GPT-2 of PyTorch's own kernels
 
 
 def predict(entry: dict) -> Prediction:

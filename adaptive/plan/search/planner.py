@@ -76,6 +76,7 @@ class FitRequest:
     calibration_source: str | None = None  # --calibrate: "calibration file PATH" or "run folder PATH"
     kernels: str = "lean"  # lean: adaptive's models; plain: transformers' Llama-style ops (activations.py)
     stack: str = "eager"  # time only (op_times.STACKS): eager PyTorch + DeepSpeed, fused, compiled
+    elementwise: str | None = None  # time only: a published run's elementwise ops ("native": GPT-2 under autocast)
     # off | full | selective (the planner picks among SELECTIVE_POLICIES) | a pinned policy (mlp, every:N);
     # None: gradient_checkpointing decides (None there too: the planner tries off, selective, full)
     checkpointing: str | None = None
@@ -408,7 +409,7 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
     policy = ("full" if ckpt else "off") if isinstance(ckpt, bool) else ckpt
     setup, memory = _setup_and_memory(spec, seq, micro, zero, offload, policy, ep, accum, layout, req.gpus_per_node,
                                       req.num_nodes, req.capacity_factor, req.calibration, req.optimizer,
-                                      req.attention, not req.gpu.bf16, req.kernels, req.ds_config, req.stack)
+                                      req.attention, not req.gpu.bf16, req.kernels, req.ds_config, req.stack, req.elementwise)
     mem = corrected(memory, req.peak_correction)
     return Candidate(setup=setup, memory=mem, fits_gpu=mem.peak_gpu_bytes <= req.gpu.memory_bytes,
                      fits_host=mem.host_bytes_per_node <= host_mem, gpu=req.gpu, mfu=req.mfu,
@@ -419,7 +420,8 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
 def _setup_and_memory(spec: ModelSpec, seq: int, micro: int, zero: int, offload: str, policy: str, ep: int,
                       accum: int, layout: Layout, gpus_per_node: int, num_nodes: int, capacity_factor: float,
                       calibration: Calibration | None, optimizer: str, attention: str, fp16: bool, kernels: str,
-                      ds: DeepSpeedBuckets | None, stack: str = "eager") -> tuple[TrainSetup, MemoryEstimate]:
+                      ds: DeepSpeedBuckets | None, stack: str = "eager",
+                      elementwise: str | None = None) -> tuple[TrainSetup, MemoryEstimate]:
     """A candidate's setup and its memory, which does not depend on the GPU it is planned for (its precision is
     in the setup): "what would fit" searches GPU after GPU over the same setups, so each is built and estimated
     once (both are pure functions of these arguments)."""
@@ -431,7 +433,7 @@ def _setup_and_memory(spec: ModelSpec, seq: int, micro: int, zero: int, offload:
                        gradient_checkpointing=policy == "full", gpus_per_node=gpus_per_node,
                        num_nodes=num_nodes, ep_size=ep, capacity_factor=capacity_factor,
                        calibration=calibration, gradient_accumulation_steps=accum, optimizer=optimizer,
-                       attention=attention, fp16=fp16, kernels=kernels, stack=stack,
+                       attention=attention, fp16=fp16, kernels=kernels, stack=stack, elementwise=elementwise,
                        checkpoint_policy=None if policy in ("off", "full") else policy, tp_size=layout.tp,
                        sp_size=layout.sp, pp_size=layout.pp, zero_hpz=layout.hpz, zero_quantized_weights=layout.qwz,
                        zero_quantized_gradients=layout.qgz, **buckets)

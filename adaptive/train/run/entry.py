@@ -146,7 +146,7 @@ def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] 
     if plan.knobs.sp_size > 1:  # prepare() registered DeepSpeed's Ulysses attention and its SP groups
         from adaptive.train.run.sequence_parallel import SequenceShards
 
-        loop.sequence_shards = SequenceShards.from_deepspeed(accelerator.device)
+        loop.sequence_shards = SequenceShards.from_deepspeed(accelerator.device, engine)
     if resume_from is not None:
         restore(state, loop, resume_from)
         state.resumed_from = resume_from

@@ -202,7 +202,8 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
         outputs = replace(engine(**batch, **_loss_count(batch, loop)), logits=None)
         loss = outputs.loss
         progress.phase = "backward"
-        engine.backward(loss / count, scale_wrt_gas=False)
+        scale = loop.sequence_shards.gradient_scale if loop.sequence_shards is not None else 1.0
+        engine.backward(loss * (scale / count), scale_wrt_gas=False)
         if loop.sequence_shards is not None:  # this shard's part of the sequence's loss: log the whole
             loss = loop.sequence_shards.group_loss(loss)
         stats.add(outputs, loss)

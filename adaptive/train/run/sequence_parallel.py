@@ -15,7 +15,8 @@ same sequences as data parallelism over the same processes.
 The loss is exact. With N the group's unmasked labels in a micro-batch, each rank backpropagates its shard's
 summed token loss / N (the model's `num_items_in_batch`): the shards' losses sum to the sequence's mean, and
 DeepSpeed's reduction (a sum over all ranks divided by the data-parallel ranks, world / sp) leaves the
-gradient data parallelism gives. The loss logged is that sum, all-reduced over the group.
+gradient data parallelism gives. ZeRO-3's reduce-scatter divides by the whole world instead, so there the
+backpropagated loss is multiplied by sp (`gradient_scale`, adaptive/engine.py ulysses_gradient_scale). The loss logged is that sum, all-reduced over the group.
 
 Evaluation runs whole blocks without sharding (`disable_in_eval`): every rank evaluates its own blocks.
 """
@@ -54,13 +55,14 @@ class SequenceShards:
     rank: int
     size: int
     device: torch.device
+    gradient_scale: float = 1.0  # what DeepSpeed's reduction needs the loss multiplied by (engine.ulysses_gradient_scale)
 
     @classmethod
-    def from_deepspeed(cls, device: torch.device) -> SequenceShards:
-        from adaptive.engine import sequence_parallel_group
+    def from_deepspeed(cls, device: torch.device, engine: Any) -> SequenceShards:
+        from adaptive.engine import sequence_parallel_group, ulysses_gradient_scale
 
         group, rank, size = sequence_parallel_group()
-        return cls(group, rank, size, device)
+        return cls(group, rank, size, device, ulysses_gradient_scale(engine))
 
     def shard(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         """This rank's shard of each of the group's micro-batches, in DeepSpeed's order (every rank's first

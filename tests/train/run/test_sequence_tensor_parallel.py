@@ -54,10 +54,13 @@ def assert_same_training(base: list[dict], other: list[dict]) -> float:
     return worst
 
 
-def test_sp_size_2_trains_as_sp_size_1_step_by_step(tmp_path):
-    dp, dp_records = run(tmp_path, "sp1", 2)
+@pytest.mark.parametrize("zero", [None, "3"])
+def test_sp_size_2_trains_as_sp_size_1_step_by_step(tmp_path, zero):
+    # the planner's stage, and ZeRO-3, whose reduce-scatter divides by the whole world (engine.ulysses_gradient_scale)
+    pin = ("--zero", zero) if zero else ()
+    dp, dp_records = run(tmp_path, "sp1", 2, *pin)
     # --grad-accum is DeepSpeed's gradient_accumulation_steps: an SP group's micro-steps, one per rank's micro-batch
-    sp, sp_records = run(tmp_path, "sp2", 2, "--sp-size", "2", "--grad-accum", "4")
+    sp, sp_records = run(tmp_path, "sp2", 2, "--sp-size", "2", "--grad-accum", "4", *pin)
     worst = assert_same_training(dp_records, sp_records)
     for rank in (0, 1):
         r = sp[rank]
