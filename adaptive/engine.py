@@ -393,5 +393,5 @@ __all__ = ["A2A_TIMERS", "CHECKPOINT_CLASSES", "DEEPSPEED_VERSION_READ", "checkp
            "shm_comm_op_built_line",
            "moe_layers_with_timers", "moe_param_groups", "moe_timer_seconds", "reported_grad_norm",
            "reports_grad_norm", "sequence_parallel_group", "set_batch_sizes", "start_moe_timers", "stop_moe_timers",
-           "ulysses_data_adapter", "ulysses_gradient_scale", "use_pipeline_grid", "use_tensor_parallel_mesh", "tensor_parallel_size",
-           "gather_tokens_for_gloo", "tensor_parallel_state_dict"]
+           "ulysses_data_adapter", "ulysses_gradient_scale", "use_pipeline_grid", "use_tensor_parallel_mesh",
+           "tensor_parallel_size", "gather_tokens_for_gloo", "tensor_parallel_state_dict"]

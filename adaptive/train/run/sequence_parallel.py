@@ -16,7 +16,8 @@ The loss is exact. With N the group's unmasked labels in a micro-batch, each ran
 summed token loss / N (the model's `num_items_in_batch`): the shards' losses sum to the sequence's mean, and
 DeepSpeed's reduction (a sum over all ranks divided by the data-parallel ranks, world / sp) leaves the
 gradient data parallelism gives. ZeRO-3's reduce-scatter divides by the whole world instead, so there the
-backpropagated loss is multiplied by sp (`gradient_scale`, adaptive/engine.py ulysses_gradient_scale). The loss logged is that sum, all-reduced over the group.
+backpropagated loss is multiplied by sp (`gradient_scale`, adaptive/engine.py ulysses_gradient_scale). The loss
+logged is the shards' sum, all-reduced over the group.
 
 Evaluation runs whole blocks without sharding (`disable_in_eval`): every rank evaluates its own blocks.
 """
