@@ -84,7 +84,7 @@ def test_the_heads_bytes_are_the_real_ones(kernels):
     tokens = seq * batch
     table = vocab * h  # the embedding table's gradient, once per micro-batch
     assert head[0] == pytest.approx(tokens * (HEAD_FWD[kernels][0] * h + HEAD_FWD[kernels][1] * vocab)
-                                    + HEAD_TABLE_FWD * table, rel=0.03)
+                                    + HEAD_TABLE_FWD[kernels] * table, rel=0.03)
     assert head[1] == pytest.approx(tokens * (HEAD_BWD[kernels][0] * h + HEAD_BWD[kernels][1] * vocab)
                                     + HEAD_TABLE_BWD[kernels] * table, rel=0.03)
     fwd_gemms, bwd_gemms = 1, 2 + (kernels == "lean")  # the lean loss recomputes its logits in backward
