@@ -2,10 +2,11 @@
 
 Per class, each with its published source:
 - matmul: the largest achievable dense 16-bit matmul rate over the datasheet peak (Bekman's "maximum achievable
-  matmul FLOPS", a sweep of cuBLAS GEMM shapes), and how it falls for small dimensions (NVIDIA's GEMM guide);
-- attention: FlashAttention-2's forward+backward TFLOP/s at head dim 128 on long causal sequences, and how it
-  falls for short sequences and small heads (its paper's benchmark figures); where FlashAttention-2 does not run
-  (Turing), PyTorch SDPA's memory-efficient kernel;
+  matmul FLOPS", a sweep of cuBLAS GEMM shapes) and the SMs a GEMM's tiles fill (how small GEMMs fall short,
+  checked against published square-GEMM sweeps);
+- attention: FlashAttention-2's forward+backward rate at head dim 128 on long causal sequences, as a share of the
+  peak, and how it falls for short sequences and small heads (its paper's benchmark figures); where
+  FlashAttention-2 does not run (Turing, Volta), PyTorch SDPA's memory-efficient kernel;
 - memory: the bandwidth a large device-to-device copy reaches, over the datasheet's;
 - launch: the shortest a kernel takes in eager PyTorch through autograd, which bounds tiny models.
 """
