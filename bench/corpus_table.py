@@ -67,8 +67,7 @@ def versus_constant() -> None:
     per-operation model as --mfu does) and under the per-operation model."""
     from dataclasses import replace
 
-    from adaptive.plan.evidence.corpus import Prediction, request_for
-    from adaptive.plan.search.planner import fit
+    from adaptive.plan.evidence.corpus import request_for
 
     print("| run | stack kind | figure | class constant | per-operation |")
     print("|---|---|---|---|---|")
@@ -76,12 +75,7 @@ def versus_constant() -> None:
         new = {c[0]: c for c in comparisons(predict(e))}
         req = request_for(e)
         constant = next((v for k, v in CLASS_CONSTANT.items() if e["gpu"].startswith(k)), 0.35)
-        plan = fit(replace(req, mfu=req.mfu or constant), suggest=False)
-        t, n = plan.shown.throughput, req.world_size
-        tokens = e["knobs"].get("train_tokens")
-        old = Prediction(entry=e, plan=plan, fits=plan.fits, peak_gib=0.0, tokens_per_s=t.tokens_per_second,
-                         tflops_per_gpu=t.tokens_per_second * t.hardware_flops_per_token / n / 1e12, mfu=t.mfu,
-                         gpu_hours=tokens / t.tokens_per_second * n / 3600 if tokens else None)
+        old = predict(e, replace(req, mfu=req.mfu or constant))
         before = {c[0]: c for c in comparisons(old)}
         for name in ("tokens/s per GPU", "TFLOP/s per GPU", "GPU-hours"):
             if name in new:

@@ -23,11 +23,12 @@ from adaptive.plan.architecture.blocks import block_type
 from adaptive.plan.hardware.figures import NCCL_BUS_EFFICIENCY
 from adaptive.plan.hardware.gpus import GPU, figures
 from adaptive.plan.estimate.memory import TrainSetup, reduce_bucket_elements
-from adaptive.plan.estimate.op_times import STACKS, OpTimes, micro_batch_times, optimizer_times, rates_of
+from adaptive.plan.estimate.op_times import (STACKS, OpTimes, local_params, micro_batch_times, optimizer_times,
+                                             rates_of)
 from adaptive.plan.estimate.pipeline import bubble_fraction, p2p_bytes_per_micro_batch
 from adaptive.plan.estimate.pipeline import partition as stages_of
 from adaptive.plan.estimate.parallel import (QGZ_BYTES_PER_PARAM, QWZ_BYTES_PER_PARAM, expert_tp_bytes_per_moe_layer,
-                                    sp_alltoall_bytes_per_layer, tp_allreduce_bytes_per_layer, tp_sharded_params)
+                                    sp_alltoall_bytes_per_layer, tp_allreduce_bytes_per_layer)
 from adaptive.plan.architecture.params import count_params, expert_params, layer_params, mod_router_params
 from adaptive.plan.architecture.presets import ModelSpec
 from adaptive.record import record
@@ -168,10 +169,7 @@ def data_parallel_comm(setup: TrainSetup, gpu: GPU, grad_accum: int, fwd_micro: 
     counts = count_params(setup.spec)
     b = setup.bytes_per_param
     ring = (n - 1) / n
-    local = counts.total - counts.expert + counts.expert / setup.ep_size
-    if setup.tp_size > 1:
-        replicated = counts.total - tp_sharded_params(setup.spec, counts.total)
-        local = (local - replicated) / setup.tp_size + replicated
+    local = local_params(setup) * setup.pp_size  # the whole model's share (a pipeline plans its comm elsewhere)
     p16 = local * b
     gbps = collective_gbps(gpu, setup) * 1e9
     bucket = min(setup.reduce_bucket_elements or reduce_bucket_elements(counts), counts.total) * b
