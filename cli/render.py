@@ -220,8 +220,10 @@ def budget(result: BudgetResult, files: dict[str, Path] | None = None) -> None:
     console.print(f"Best: {best.request.spec.name} {best.request.spec.arch} ({human(best.counts.total)} params, "
                   f"width {best.request.spec.hidden_size} x {best.request.spec.num_hidden_layers} layers) on "
                   f"{human(best.train_tokens)} tokens; {result.planned} models planned on the size ladder "
-                  "(adaptive/plan/architecture/ladder.py). Losses within each other's bands are a tie the laws "
-                  "cannot break.", soft_wrap=True)
+                  "(adaptive/plan/architecture/ladder.py).", soft_wrap=True)
+    for v in result.versus_best:
+        console.print(("Tie: " if v.tie else "") + v.words() + (": the law cannot say which buys the lower loss."
+                                                                 if v.tie else "."), soft_wrap=True)
     if result.largest_tried:
         console.print("[yellow]The winner is the largest model tried[/yellow] (the ladder's end, or --max-params): "
                       "a larger one might buy a lower loss.", soft_wrap=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated
 
@@ -30,6 +31,34 @@ def _dataset(value: str | None) -> str:
                         ".parquet file or folder")
 
 
+def _tokenizer(value: str | None) -> tuple[str | None, int]:
+    """(the tokenizer folder, its vocab size): a local HF tokenizer folder (a sweep's many runs must not lean on
+    the hub), or None for the built-in BPE."""
+    from adaptive.scaling.sweep import BUILTIN_VOCAB
+
+    if value is None:
+        return None, BUILTIN_VOCAB
+    folder = Path(value).expanduser()
+    if not folder.is_dir():
+        raise AdaptiveError(f"--tokenizer {value!r}: no such folder; give a local tokenizer folder (tokenizer.json, "
+                            "or vocab and merges files) or omit it for the built-in BPE")
+    from adaptive.train.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(folder.resolve()))
+    return str(folder.resolve()), len(tokenizer)
+
+
+def _check_text(dataset: str, text_field: str) -> None:
+    """A local dataset must yield documents in its text field: one line naming what it has, before any point."""
+    if dataset == "builtin":
+        return
+    from adaptive.train.data.sources import DataConfig, load_text_dataset
+
+    ds = load_text_dataset(DataConfig(dataset=dataset, seq_len=2, text_field=text_field), streaming=True)
+    if ds is None or next(iter(ds), None) is None:
+        raise AdaptiveError(f"--dataset {dataset!r} holds no documents")
+
+
 @with_run_options(SCALE)
 def scale(
     config: RunConfig,
@@ -45,12 +74,15 @@ def scale(
     jobs: Annotated[int, typer.Option("--jobs", help="Points trained side by side (give each a core).", min=1)] = 1,
     bootstrap: Annotated[int, typer.Option("--bootstrap", help="Bootstrap refits for the law's confidence band.",
                                            min=10)] = 100,
+    seeds: Annotated[int, typer.Option("--seeds", help="Runs per point (seeds --seed, --seed + 1, ...): the fit "
+                                                       "sees their mean, the band their spread.", min=1)] = 1,
 ) -> int:
     """Fit scaling laws on your own data: train an isoFLOP sweep of small models (one recipe run per point,
-    checkpointed; Ctrl-C and rerun continues it), fit L(N, D) = E + A/N^alpha + B/D^beta per architecture as
-    Chinchilla's approach 3 did, write law.json for `adaptive fit --loss-law` and draw the curves. Every point's run
-    takes --dataset (default builtin), --seq-len (default 128), --micro-batch (default 4), --lr (default 3e-3) and
-    --seed as a recipe does."""
+    checkpointed; Ctrl-C and rerun continues it), fit one law across the architectures, L(N, D) = E + A/(k N)^alpha +
+    B/D^beta with a multiplier k per arch, as Chinchilla's approach 3 did, say which archs the data separates, write
+    law.json for `adaptive fit --loss-law` and draw the curves. Every point's run takes --dataset (default builtin: a
+    .txt/.jsonl/.parquet file or folder, or a saved dataset), --text-field, --tokenizer (a local folder), --seq-len
+    (default 128), --micro-batch (default 4), --lr (default 3e-3) and --seed as a recipe does."""
     from adaptive.extras import require
     from adaptive.scaling.grid import SweepSettings, plan_grid
     from adaptive.scaling.fit_law import MIN_POINTS
@@ -58,14 +90,19 @@ def scale(
 
     d, opt = config.data, config.optimizer
     seq_len, micro_batch, lr = d.seq_len or 128, config.parallelism.micro_batch or 4, opt.lr or 3e-3
-    settings = SweepSettings(archs=tuple(a.strip() for a in arch.split(",") if a.strip()), budgets=_budgets(budgets),
-                             sizes=sizes, dataset=_dataset(d.dataset), seq_len=seq_len, seed=opt.seed, lr=lr,
-                             micro_batch=micro_batch, vocab_size=BUILTIN_VOCAB)
-    points = plan_grid(settings)  # every bad value: one line, before anything is written
-    if len(settings.budgets) * sizes < MIN_POINTS:
-        raise AdaptiveError(f"--budgets x --sizes gives {len(settings.budgets) * sizes} points per architecture; a "
+    archs = tuple(a.strip() for a in arch.split(",") if a.strip())
+    probe = SweepSettings(archs=archs, budgets=_budgets(budgets), sizes=sizes, dataset=_dataset(d.dataset),
+                          seq_len=seq_len, seed=opt.seed, lr=lr, micro_batch=micro_batch, vocab_size=BUILTIN_VOCAB,
+                          seeds=seeds, text_field=d.text_field)
+    plan_grid(probe)  # every bad value of the grid: one line, before anything is loaded or written
+    if len(probe.budgets) * sizes < MIN_POINTS:
+        raise AdaptiveError(f"--budgets x --sizes gives {len(probe.budgets) * sizes} points per architecture; a "
                             f"law has {MIN_POINTS} coefficients: give at least {MIN_POINTS}")
     require("adaptive scale")
+    tokenizer, vocab = _tokenizer(d.tokenizer)
+    _check_text(probe.dataset, d.text_field)
+    settings = dataclasses.replace(probe, tokenizer=tokenizer, vocab_size=vocab)
+    points = plan_grid(settings)
     from cli.scale_view import SweepView, show_result
 
     from adaptive.scaling.sweep import scale as run_scale

@@ -66,16 +66,24 @@ def _interval(values: list[float]) -> str:
     from adaptive.scaling.fit_law import interval
 
     lo, hi = interval(values)
-    return f"{lo:.2g}-{hi:.2g}"
+    return f"{lo:.3g}-{hi:.3g}"
 
 
-def _law_rows(arch: str, law: Any) -> list[list[str]]:
-    """The fit, then its 5-95% bootstrap interval under each coefficient; columns E, A, alpha, B, beta."""
+def law_table(law: Any) -> Table:
+    """The shared coefficients, then each arch's multiplier, each with its bootstrap 5-95%."""
     f, boot = law.fit, law.bootstrap
-    order = (0, 1, 3, 2, 4)  # coefficients are (E, A, B, alpha, beta)
-    best = [f"{f.coefficients[i]:.3g}" for i in order]
-    spread = [_interval([b[i] for b in boot]) if boot else "" for i in order]
-    return [[arch, *best, f"{f.rmse_log:.4f}", str(f.points)], ["  5-95%", *spread, "", ""]]
+    t = Table(title=f"One law: L(N, D) = E + A / (k N)^alpha + B / D^beta  (rmse of log-loss {f.rmse_log:.4f}, "
+                    f"{f.points} points; k: each arch's effective parameters, {f.reference} = 1)")
+    for column in ("coefficient", "fit", "5-95%", "seed spread (log-loss sd)"):
+        t.add_column(column, justify="left" if column == "coefficient" else "right")
+    for i, name in ((0, "E"), (1, "A"), (3, "alpha"), (2, "B"), (4, "beta")):
+        t.add_row(name, f"{f.coefficients[i]:.3g}", _interval([b[i] for b in boot]) if boot else "", "")
+    for arch, k in f.multipliers.items():
+        lo, hi = law.multiplier_band(arch)
+        spread = law.seed_spread(arch)
+        t.add_row(f"k {arch}", f"{k:.3f}", "(reference)" if arch == f.reference else f"{lo:.3f}-{hi:.3f}",
+                  f"{spread:.4f}" if spread else "one seed")
+    return t
 
 
 def show_result(done: Scaled) -> None:
@@ -91,13 +99,9 @@ def show_result(done: Scaled) -> None:
         t.add_row(p["arch"], f"{p['budget']:.3g}", str(p["width"]), f"{p['params']:,}", f"{p['tokens']:,}", loss)
     console.print(t)
     console.print("* the budget's best size")
-    laws = Table(title="L(N, D) = E + A / N^alpha + B / D^beta")
-    for column in ("arch", "E", "A", "alpha", "B", "beta", "rmse", "points"):
-        laws.add_column(column, justify="left" if column == "arch" else "right", overflow="fold")
-    for arch, law in done.laws.items():
-        for row in _law_rows(arch, law):
-            laws.add_row(*row)
-    console.print(laws)
+    console.print(law_table(done.law))
+    for pair in done.law.separations():
+        console.print(pair.words())
     for p in state.results(done.sweep, state.DIVERGED):
         console.print(f"[yellow]warning:[/] {p['name']} diverged ({p.get('reason')}); left out of the fit")
     for line in done.skipped:

@@ -126,13 +126,14 @@ class DataOptions:
              "may halve the sequence down to it (default: keep the sequence).")
     dataset: str | None = option(
         None, "--dataset", commands=SWEEP,
-        help="'c4', a hub dataset, a local .txt/.jsonl/.json/.parquet file or folder, or 'builtin' (the shipped "
+        help="'c4', a hub dataset, a local .txt/.jsonl/.json/.parquet file or folder, a folder that "
+             "`Dataset.save_to_disk` wrote, or 'builtin' (the shipped "
              "corpus); default: C4 on a GPU with the hub reachable, else builtin.")
     dataset_config: str | None = option(None, "--dataset-config", commands=RUN,
                                         help="Hub dataset config name (C4: en).")
-    text_field: str = option("text", "--text-field", commands=RUN,
-                             help="The text column of json/parquet/hub data.")
-    tokenizer: str | None = option(None, "--tokenizer", commands=RUN,
+    text_field: str = option("text", "--text-field", commands=SWEEP,
+                             help="The text column of json/parquet/saved/hub data.")
+    tokenizer: str | None = option(None, "--tokenizer", commands=SWEEP,
                                    help="Hub name or local folder; default: the built-in byte-level BPE (2048).")
     data_workers: int | None = option(
         None, "--data-workers", commands=RUN, minimum=0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adaptive.plan.quality.ranking import LossComparison, compare_quality
 from adaptive.plan.search.planner import Plan, fit
 from adaptive.plan.request import make_request
 
@@ -16,6 +17,7 @@ class Row:
     best_cost: bool = False  # lowest cost per 1B tokens among rows that fit
     cheapest: bool = False  # lowest cost of the whole run among rows that fit
     best_value: bool = False  # most loss reduction per extra dollar over the cheapest run (best_value())
+    quality_tie: LossComparison | None = None  # against the lowest predicted loss, when the law cannot split them
 
 
 def compare(models: list[str], archs: list[str], gpu_names: list[str], **request_kwargs) -> list[Row]:
@@ -27,7 +29,20 @@ def compare(models: list[str], archs: list[str], gpu_names: list[str], **request
     cost = min(fitting, key=lambda p: p.cost / p.train_tokens, default=None)
     cheapest = min(fitting, key=lambda p: p.cost, default=None)
     value = best_value(fitting)
-    return [Row(p, p is quality, p is speed, p is cost, p is cheapest, p is value) for p in plans]
+    return [Row(p, p is quality, p is speed, p is cost, p is cheapest, p is value, quality_tie(p, quality))
+            for p in plans]
+
+
+def label(plan: Plan) -> str:
+    return f"{plan.request.spec.name} {plan.request.spec.arch} on {plan.request.gpu.name}"
+
+
+def quality_tie(plan: Plan, best: Plan | None) -> LossComparison | None:
+    """`plan` against the lowest predicted loss, when the law calls the pair a tie (ranking.py); else None."""
+    if best is None or plan is best or not plan.fits:
+        return None
+    verdict = compare_quality(label(best), best.quality, label(plan), plan.quality)
+    return verdict if verdict.tie else None
 
 
 def best_value(fitting: list[Plan]) -> Plan | None:
@@ -116,6 +131,8 @@ def row_dict(row: Row) -> dict:
         "loss_band": list(p.quality.band),
         "loss_law": p.quality.law,
         "best_quality": row.best_quality,
+        "ties_best_quality": row.quality_tie is not None,  # the law cannot tell it from the lowest loss
+        "quality_tie": row.quality_tie.words() if row.quality_tie else None,
         "best_speed": row.best_speed,
         "best_cost": row.best_cost,
         "cheapest": row.cheapest,

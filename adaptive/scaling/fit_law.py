@@ -30,7 +30,9 @@ ALPHAS = (0.3, 1.0)
 E_STARTS = (-1.0, 0.5, 1.5)
 LOG_COEFF_STARTS = (0.0, 8.0, 20.0)
 BOUNDS = [(-20.0, 60.0), (-20.0, 60.0), (-10.0, 5.0), (1e-3, 4.0), (1e-3, 4.0)]  # a, b, e, alpha, beta
+LOG_MULTIPLIER_BOUNDS = (-6.0, 6.0)  # an arch worth 1/400 to 400 times the reference's parameters
 MIN_POINTS = 5  # five coefficients
+MIN_POINTS_PER_ARCH = 3  # a multiplier, and a check of the shared shape
 # the Huber loss of log-loss residuals has gradients of ~1e-3 at most: scipy's default gtol (1e-5) stops far from
 # the minimum
 TOLERANCES = {"gtol": 1e-12, "ftol": 1e-15, "maxiter": 5000}
@@ -60,9 +62,14 @@ def law_loss(coefficients: tuple[float, ...], n: float, d: float) -> float:
     return e + a / n**alpha + b / d**beta
 
 
-def _objective(theta: np.ndarray, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray) -> tuple[float, np.ndarray]:
-    a, b, e, alpha, beta = theta
-    terms = np.stack([a - alpha * x, b - beta * y, np.full_like(x, e)])  # [3, points]
+def _objective(theta: np.ndarray, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray,
+               group: np.ndarray) -> tuple[float, np.ndarray]:
+    """The Huber loss of the log-loss residuals and its gradient; theta = (a, b, e, alpha, beta, log k_1, ...),
+    `group` each point's arch (0: the reference, multiplier 1), whose N counts k times."""
+    a, b, e, alpha, beta = theta[:5]
+    log_k = np.concatenate([[0.0], theta[5:]])
+    xe = x + log_k[group]  # log of the effective parameters
+    terms = np.stack([a - alpha * xe, b - beta * y, np.full_like(x, e)])  # [3, points]
     top = terms.max(axis=0)
     weights = np.exp(terms - top)
     total = weights.sum(axis=0)
@@ -73,21 +80,25 @@ def _objective(theta: np.ndarray, x: np.ndarray, y: np.ndarray, log_loss: np.nda
     value = np.where(small, 0.5 * r * r, HUBER_DELTA * (np.abs(r) - 0.5 * HUBER_DELTA)).sum()
     dr = np.clip(r, -HUBER_DELTA, HUBER_DELTA)  # d huber / d r
     grad = np.array([(dr * weights[0]).sum(), (dr * weights[1]).sum(), (dr * weights[2]).sum(),
-                     -(dr * weights[0] * x).sum(), -(dr * weights[1] * y).sum()])
-    return float(value), grad
+                     -(dr * weights[0] * xe).sum(), -(dr * weights[1] * y).sum()])
+    by_arch = np.bincount(group, weights=-alpha * dr * weights[0], minlength=len(log_k))[1:]
+    return float(value), np.concatenate([grad, by_arch])
 
 
-def _starts() -> list[np.ndarray]:
-    return [np.array([a, b, e, alpha, beta]) for alpha, beta, e, a, b in
+def _starts(extra: int = 0) -> list[np.ndarray]:
+    """Hoffmann et al.'s grid (thinned), every multiplier starting at 1."""
+    return [np.array([a, b, e, alpha, beta, *([0.0] * extra)]) for alpha, beta, e, a, b in
             itertools.product(ALPHAS, ALPHAS, E_STARTS, LOG_COEFF_STARTS, LOG_COEFF_STARTS)]
 
 
-def _best(x: np.ndarray, y: np.ndarray, log_loss: np.ndarray, starts: list[np.ndarray]) -> np.ndarray:
+def _best(x: np.ndarray, y: np.ndarray, log_loss: np.ndarray, group: np.ndarray,
+          starts: list[np.ndarray]) -> np.ndarray:
     from scipy.optimize import minimize
 
+    bounds = BOUNDS + [LOG_MULTIPLIER_BOUNDS] * (len(starts[0]) - len(BOUNDS))
     best, best_value = None, math.inf
     for theta0 in starts:
-        res = minimize(_objective, theta0, args=(x, y, log_loss), jac=True, method="L-BFGS-B", bounds=BOUNDS,
+        res = minimize(_objective, theta0, args=(x, y, log_loss, group), jac=True, method="L-BFGS-B", bounds=bounds,
                        options=TOLERANCES)
         if np.all(np.isfinite(res.x)) and res.fun < best_value:
             best, best_value = res.x, res.fun
@@ -95,11 +106,14 @@ def _best(x: np.ndarray, y: np.ndarray, log_loss: np.ndarray, starts: list[np.nd
     return best
 
 
-def _as_fit(theta: np.ndarray, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray) -> Fit:
-    a, b, e, alpha, beta = (float(v) for v in theta)
-    fit = Fit(E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=alpha, beta=beta, rmse_log=0.0, points=len(x))
-    predicted = np.log([fit.loss(math.exp(n), math.exp(d)) for n, d in zip(x, y)])
-    return Fit(**{**fit.__dict__, "rmse_log": float(np.sqrt(np.mean((predicted - log_loss) ** 2)))})
+def _rmse(coefficients: tuple[float, ...], n: np.ndarray, d: np.ndarray, log_loss: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((np.log(law_loss(coefficients, n, d)) - log_loss) ** 2)))
+
+
+def _coefficients(theta: np.ndarray) -> tuple[tuple[float, float, float, float, float], tuple[float, ...]]:
+    """((E, A, B, alpha, beta), (k_1, ...)) of a parameter vector."""
+    a, b, e, alpha, beta = (float(v) for v in theta[:5])
+    return (math.exp(e), math.exp(a), math.exp(b), alpha, beta), tuple(math.exp(float(v)) for v in theta[5:])
 
 
 def _arrays(params: list[float], tokens: list[float], losses: list[float]) -> tuple[np.ndarray, ...]:
@@ -117,7 +131,8 @@ def _arrays(params: list[float], tokens: list[float], losses: list[float]) -> tu
 def fit_law(params: list[float], tokens: list[float], losses: list[float]) -> Fit:
     """The best fit over the grid of starting points."""
     x, y, log_loss = _arrays(params, tokens, losses)
-    return _as_fit(_best(x, y, log_loss, _starts()), x, y, log_loss)
+    coefficients, _ = _coefficients(_best(x, y, log_loss, np.zeros(len(x), dtype=int), _starts()))
+    return Fit(*coefficients, rmse_log=_rmse(coefficients, np.exp(x), np.exp(y), log_loss), points=len(x))
 
 
 def bootstrap(params: list[float], tokens: list[float], losses: list[float], fit: Fit, samples: int = 100,
@@ -126,16 +141,117 @@ def bootstrap(params: list[float], tokens: list[float], losses: list[float], fit
     few grid points. A resample with fewer than MIN_POINTS distinct points is drawn again."""
     x, y, log_loss = _arrays(params, tokens, losses)
     rng = np.random.default_rng(seed)
-    center = np.array([math.log(fit.A), math.log(fit.B), math.log(fit.E), fit.alpha, fit.beta])
-    starts = [center, *_starts()[::54]]  # the full fit, and 2 more of the grid
+    group = np.zeros(len(x), dtype=int)
+    starts = [_theta(fit.coefficients, ()), *_starts()[::54]]  # the full fit, and 2 more of the grid
     out = []
     while len(out) < samples:
         pick = rng.integers(0, len(x), len(x))
         if len(set(pick.tolist())) < MIN_POINTS:
             continue
-        theta = _best(x[pick], y[pick], log_loss[pick], starts)
-        a, b, e, alpha, beta = (float(v) for v in theta)
-        out.append((math.exp(e), math.exp(a), math.exp(b), alpha, beta))
+        out.append(_coefficients(_best(x[pick], y[pick], log_loss[pick], group, starts))[0])
+    return out
+
+
+def _theta(coefficients: tuple[float, ...], multipliers: tuple[float, ...]) -> np.ndarray:
+    e, a, b, alpha, beta = coefficients
+    return np.array([math.log(a), math.log(b), math.log(e), alpha, beta, *(math.log(k) for k in multipliers)])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One law across architectures: shared E, A, B, alpha, beta, and a multiplier per arch on its effective parameters
+
+
+@record
+class JointFit:
+    """L_arch(N, D) = E + A / (k_arch N)^alpha + B / D^beta, k of the reference arch 1 (Clark et al. 2022's
+    effective parameter count). At C = 6 N D, k_arch N parameters on D tokens is the reference arch on k_arch
+    times the compute, so k is also the arch's compute multiplier at the compute-optimal split."""
+
+    E: float
+    A: float
+    B: float
+    alpha: float
+    beta: float
+    multipliers: dict[str, float]  # arch -> k, the reference's 1.0; in the sweep's arch order
+    reference: str
+    rmse_log: float
+    points: int
+
+    @property
+    def coefficients(self) -> tuple[float, float, float, float, float]:
+        return (self.E, self.A, self.B, self.alpha, self.beta)
+
+    def for_arch(self, arch: str) -> Fit:
+        """The arch's own Hoffmann-form law: its multiplier folded into A (A / (k N)^alpha = A k^-alpha / N^alpha)."""
+        return Fit(self.E, self.A * self.multipliers[arch] ** -self.alpha, self.B, self.alpha, self.beta,
+                   self.rmse_log, self.points)
+
+    def loss(self, arch: str, n: float, d: float) -> float:
+        return self.for_arch(arch).loss(n, d)
+
+
+@record
+class Observation:
+    """A point of the sweep as the fit sees it: its arch, N, D and the final loss of each seed trained there."""
+
+    arch: str
+    params: float
+    tokens: float
+    losses: tuple[float, ...]
+
+    @property
+    def loss(self) -> float:
+        return float(np.mean(self.losses))
+
+
+def _joint_arrays(obs: list[Observation], archs: tuple[str, ...]) -> tuple[np.ndarray, ...]:
+    for arch in archs:
+        have = sum(o.arch == arch for o in obs)
+        if have < MIN_POINTS_PER_ARCH:
+            raise AdaptiveError(f"{arch}: {have} points trained; a multiplier needs at least {MIN_POINTS_PER_ARCH}")
+    if len(obs) < MIN_POINTS + len(archs) - 1:
+        raise AdaptiveError(f"a joint law of {len(archs)} archs has {MIN_POINTS + len(archs) - 1} coefficients and "
+                            f"needs as many points, got {len(obs)}")
+    x, y, log_loss = _arrays([o.params for o in obs], [o.tokens for o in obs], [o.loss for o in obs])
+    group = np.array([archs.index(o.arch) for o in obs], dtype=int)
+    return x, y, log_loss, group
+
+
+def _joint(theta: np.ndarray, archs: tuple[str, ...], obs: list[Observation], x: np.ndarray, y: np.ndarray,
+           log_loss: np.ndarray, group: np.ndarray) -> JointFit:
+    coefficients, ks = _coefficients(theta)
+    k = np.array([1.0, *ks])
+    rmse = _rmse(coefficients, np.exp(x) * k[group], np.exp(y), log_loss)
+    return JointFit(*coefficients, multipliers=dict(zip(archs, (1.0, *ks))), reference=archs[0], rmse_log=rmse,
+                    points=len(obs))
+
+
+def fit_joint(obs: list[Observation], archs: tuple[str, ...]) -> JointFit:
+    """The joint law over `obs` (the mean of each point's seeds); archs[0] is the reference (multiplier 1)."""
+    x, y, log_loss, group = _joint_arrays(obs, archs)
+    theta = _best(x, y, log_loss, group, _starts(len(archs) - 1))
+    return _joint(theta, archs, obs, x, y, log_loss, group)
+
+
+def bootstrap_joint(obs: list[Observation], fit: JointFit, samples: int = 100,
+                    seed: int = 0) -> list[tuple[float, ...]]:
+    """Refits on resamplings: each arch's points drawn with replacement among its own (every arch keeps its
+    count), and each point's loss the mean of its seeds drawn with replacement (the seed spread enters the band).
+    Each refit is (E, A, B, alpha, beta, k per arch in fit.multipliers' order)."""
+    archs = tuple(fit.multipliers)
+    x, y, _, group = _joint_arrays(obs, archs)
+    rng = np.random.default_rng(seed)
+    by_arch = [np.flatnonzero(group == i) for i in range(len(archs))]
+    starts = [_theta(fit.coefficients, tuple(fit.multipliers.values())[1:]), *_starts(len(archs) - 1)[::54]]
+    out = []
+    while len(out) < samples:
+        pick = np.concatenate([rng.choice(idx, len(idx)) for idx in by_arch])
+        if any(len(set(pick[group[pick] == i].tolist())) < 2 for i in range(len(archs))):
+            continue  # an arch on one distinct point says nothing about its multiplier
+        log_loss = np.log([np.mean(rng.choice(obs[i].losses, len(obs[i].losses))) for i in pick])
+        theta = _best(x[pick], y[pick], log_loss, group[pick], starts)
+        coefficients, ks = _coefficients(theta)
+        out.append((*coefficients, 1.0, *ks))
     return out
 
 
@@ -144,4 +260,5 @@ def interval(values: list[float], low: float = 0.05, high: float = 0.95) -> tupl
     return float(np.quantile(values, low)), float(np.quantile(values, high))
 
 
-__all__ = ["Fit", "HUBER_DELTA", "N_DEFINITION", "bootstrap", "fit_law", "interval", "law_loss"]
+__all__ = ["Fit", "HUBER_DELTA", "JointFit", "N_DEFINITION", "Observation", "bootstrap", "bootstrap_joint", "fit_joint",
+           "fit_law", "interval", "law_loss"]

@@ -42,6 +42,9 @@ class SweepSettings:
     lr: float
     micro_batch: int  # sequences per optimizer step (one process, no accumulation)
     vocab_size: int
+    seeds: int = 1  # runs per point, seeds seed, seed + 1, ...: the fit sees their mean and spread
+    tokenizer: str | None = None  # a local HF tokenizer folder; None: the built-in BPE
+    text_field: str = "text"  # the column of a .jsonl/.parquet/saved dataset that holds the text
 
     @property
     def tokens_per_step(self) -> int:
@@ -50,7 +53,8 @@ class SweepSettings:
     def as_dict(self) -> dict[str, Any]:
         return {"archs": list(self.archs), "budgets": list(self.budgets), "sizes": self.sizes,
                 "dataset": self.dataset, "seq_len": self.seq_len, "seed": self.seed, "lr": self.lr,
-                "micro_batch": self.micro_batch, "vocab_size": self.vocab_size}
+                "micro_batch": self.micro_batch, "vocab_size": self.vocab_size, "seeds": self.seeds,
+                "tokenizer": self.tokenizer, "text_field": self.text_field}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SweepSettings:
@@ -71,10 +75,16 @@ class Point:
     steps: int
     tokens: int
     flops: float  # what it trains: tokens x flops_per_token (within half a step of the budget)
+    replica: int = 0  # which of the point's seeds: it trains with the sweep's seed + replica
+
+    @property
+    def shape_name(self) -> str:
+        """The point without its seed: what the fit averages over."""
+        return f"{self.arch}-c{self.budget:.3g}-w{self.width}".replace("+", "")
 
     @property
     def name(self) -> str:
-        return f"{self.arch}-c{self.budget:.3g}-w{self.width}".replace("+", "")
+        return self.shape_name + (f"-s{self.replica}" if self.replica else "")
 
 
 @record
@@ -130,6 +140,8 @@ def check(settings: SweepSettings) -> None:
         raise AdaptiveError("--budgets names a budget twice")
     if settings.sizes < 2:
         raise AdaptiveError(f"--sizes must be at least 2 (a curve per budget), got {settings.sizes}")
+    if settings.seeds < 1:
+        raise AdaptiveError(f"--seeds must be at least 1, got {settings.seeds}")
     if settings.sizes > len(WIDTHS):
         raise AdaptiveError(f"--sizes must be at most {len(WIDTHS)} (the ladder's tiny widths), got {settings.sizes}")
 
@@ -153,12 +165,13 @@ def points_for(arch: str, budget: float, settings: SweepSettings) -> list[Point]
     chosen = usable[start:start + settings.sizes]
     return [Point(arch=arch, budget=budget, width=c.width, layers=c.layers, params=c.params,
                   total_params=c.total_params, flops_per_token=c.flops_per_token, steps=steps,
-                  tokens=steps * per_step, flops=steps * per_step * c.flops_per_token) for c, steps in chosen]
+                  tokens=steps * per_step, flops=steps * per_step * c.flops_per_token, replica=replica)
+            for replica in range(settings.seeds) for c, steps in chosen]
 
 
 def plan_grid(settings: SweepSettings) -> list[Point]:
     """Every point of the sweep, budgets smallest first (the cheap ones finish first), each budget's archs
-    together (a sweep stopped early has every arch's small budgets)."""
+    together (a sweep stopped early has every arch's small budgets), a budget's first seed before its others."""
     check(settings)
     return [p for budget in sorted(settings.budgets) for arch in settings.archs
             for p in points_for(arch, budget, settings)]

@@ -80,10 +80,12 @@ def recipe_flags(point: Point, settings: SweepSettings, run_dir: Path) -> list[s
     """The recipe's flags for this point (the run options every recipe takes)."""
     every = max(50, point.steps // 4)
     flags = ["--output-dir", str(run_dir), "--dataset", settings.dataset, "--seq-len", str(settings.seq_len),
-             "--seed", str(settings.seed), "--lr", repr(settings.lr), "--max-steps", str(point.steps),
+             "--seed", str(settings.seed + point.replica), "--lr", repr(settings.lr), "--max-steps", str(point.steps),
              "--micro-batch", str(settings.micro_batch), "--grad-accum", "1", "--orchestrator", "off",
              "--no-progress", "--log-every", "25", "--checkpoint-every", str(every),
-             "--keep-checkpoints", "1"]
+             "--keep-checkpoints", "1", "--text-field", settings.text_field]
+    if settings.tokenizer is not None:
+        flags += ["--tokenizer", settings.tokenizer]
     checkpoints = run_dir / "checkpoints"
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         flags.append("--resume")
@@ -120,7 +122,7 @@ def run_point(point: Point, settings: SweepSettings, folder: Path, on_step: Call
     if not (folder / POINT_FILE).exists():
         atomic_write_text(folder / POINT_FILE, json.dumps(
             {"arch": point.arch, "width": point.width, "vocab_size": settings.vocab_size,
-             "seq_len": settings.seq_len, "seed": settings.seed}) + "\n")
+             "seq_len": settings.seq_len, "seed": settings.seed + point.replica}) + "\n")
     cmd = [sys.executable, "-m", "adaptive.scaling.point", str(folder), *recipe_flags(point, settings, run_dir)]
     log_path = folder / LOG_FILE
     began = time.monotonic()

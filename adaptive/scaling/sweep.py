@@ -1,4 +1,4 @@
-"""Run a sweep (continuing what a folder holds), fit the law per architecture, write law.json and the plot.
+"""Run a sweep (continuing what a folder holds), fit one law across its architectures, write law.json and the plot.
 
     OUT/sweep.json        settings and each point's outcome (state.py), rewritten after every point
     OUT/points/NAME/      one point: point.json, init/ (its initial weights), run/ (the recipe's run folder),
@@ -13,17 +13,20 @@ resumes from its last checkpoint. A point that diverges is recorded as such and 
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 from adaptive.durable import atomic_write_text
 from adaptive.errors import AdaptiveError
 from adaptive.record import record
 from adaptive.scaling import state
-from adaptive.scaling.fit_law import MIN_POINTS, N_DEFINITION, Fit, bootstrap, fit_law
+from adaptive.scaling.fit_law import (MIN_POINTS, MIN_POINTS_PER_ARCH, N_DEFINITION, Fit, JointFit, Observation,
+                                      bootstrap_joint, fit_joint, interval)
 from adaptive.scaling.grid import Point, SweepSettings, candidates, plan_grid
 from adaptive.scaling.runner import Outcome, run_point
 
@@ -88,70 +91,137 @@ def run_sweep(settings: SweepSettings, out: Path, events: Events | None = None, 
 
 
 @record
-class ArchLaw:
-    arch: str
-    fit: Fit
-    bootstrap: list[tuple[float, float, float, float, float]]
-    points: list[dict[str, Any]]  # the points it was fitted on
+class Separation:
+    """Two archs under the joint law: a's multiplier over b's, with its bootstrap 5-95%."""
+
+    a: str
+    b: str
+    ratio: float
+    band: tuple[float, float]
 
     @property
-    def params_range(self) -> tuple[float, float]:
-        return (min(p["params"] for p in self.points), max(p["params"] for p in self.points))
+    def separated(self) -> bool:
+        return self.band[0] > 1.0 or self.band[1] < 1.0
+
+    def words(self) -> str:
+        lo, hi = self.band
+        span = f"{self.ratio:.2f}x ({lo:.2f}-{hi:.2f})"
+        if not self.separated:
+            return f"{self.a} vs {self.b}: {span}, a tie (this sweep cannot separate them)"
+        ahead, behind = (self.a, self.b) if self.ratio > 1 else (self.b, self.a)
+        return f"{self.a} vs {self.b}: {span}, separated: {ahead} ahead of {behind}"
+
+
+@record
+class SweepLaw:
+    """The joint law fitted on a sweep, its bootstrap refits, and the points it saw (each the mean of its seeds)."""
+
+    fit: JointFit
+    bootstrap: list[tuple[float, ...]]  # (E, A, B, alpha, beta, k per arch in fit.multipliers' order)
+    observations: list[Observation]
+    budgets: tuple[float, ...]  # the budgets it was fitted on
 
     @property
-    def tokens_range(self) -> tuple[float, float]:
-        return (min(p["tokens"] for p in self.points), max(p["tokens"] for p in self.points))
+    def archs(self) -> tuple[str, ...]:
+        return tuple(self.fit.multipliers)
+
+    def refit(self, i: int, arch: str) -> Fit:
+        """Refit i as `arch`'s own law."""
+        e, a, b, alpha, beta, *ks = self.bootstrap[i]
+        return Fit(e, a * ks[self.archs.index(arch)] ** -alpha, b, alpha, beta, 0.0, self.fit.points)
+
+    def multiplier_band(self, arch: str) -> tuple[float, float]:
+        return interval([r[5 + self.archs.index(arch)] for r in self.bootstrap])
+
+    def separations(self) -> list[Separation]:
+        """Every pair of archs, in the sweep's order."""
+        out = []
+        for i, a in enumerate(self.archs):
+            for j in range(i + 1, len(self.archs)):
+                b = self.archs[j]
+                ratios = [r[5 + i] / r[5 + j] for r in self.bootstrap]
+                out.append(Separation(a, b, self.fit.multipliers[a] / self.fit.multipliers[b], interval(ratios)))
+        return out
+
+    def of(self, arch: str) -> list[Observation]:
+        return [o for o in self.observations if o.arch == arch]
+
+    def seed_spread(self, arch: str) -> float:
+        """The seeds' standard deviation of the log-loss, pooled over the arch's points (0 with one seed)."""
+        var = [float(np.var(np.log(o.losses), ddof=1)) for o in self.of(arch) if len(o.losses) > 1]
+        return math.sqrt(sum(var) / len(var)) if var else 0.0
+
+
+def observations(sweep: dict[str, Any], budgets: Sequence[float] | None = None) -> list[Observation]:
+    """The done points (at `budgets` only, when given), one per shape, with every seed's loss."""
+    by_shape: dict[tuple, list[dict]] = {}
+    for p in state.results(sweep):
+        if budgets is None or p["budget"] in budgets:
+            by_shape.setdefault((p["arch"], p["budget"], p["params"]), []).append(p)
+    return [Observation(arch, float(ps[0]["params"]), float(ps[0]["tokens"]), tuple(q["eval_loss"] for q in ps))
+            for (arch, _, _), ps in by_shape.items()]
 
 
 def fit_sweep(sweep: dict[str, Any], budgets: Sequence[float] | None = None,
-              samples: int = 100) -> tuple[dict[str, ArchLaw], list[str]]:
-    """Per arch, the law fitted on its done points (at `budgets` only, when given), and a line for each arch
-    with too few points to fit."""
-    laws, skipped = {}, []
+              samples: int = 100) -> tuple[SweepLaw | None, list[str]]:
+    """The joint law over the archs with enough done points (at `budgets` only, when given), and a line for
+    each arch left out; None when none can be fitted. The reference arch is dense when the sweep has it."""
+    obs, skipped = observations(sweep, budgets), []
+    archs = [a for a in sweep["settings"]["archs"] if a in {o.arch for o in obs}]
     for arch in sweep["settings"]["archs"]:
-        points = [p for p in state.results(sweep) if p["arch"] == arch and (budgets is None or p["budget"] in budgets)]
-        if len(points) < MIN_POINTS:
-            skipped.append(f"{arch}: {len(points)} points trained, a law needs {MIN_POINTS}")
-            continue
-        n, d, loss = ([p[k] for p in points] for k in ("params", "tokens", "eval_loss"))
-        fit = fit_law(n, d, loss)
-        laws[arch] = ArchLaw(arch, fit, bootstrap(n, d, loss, fit, samples=samples), points)
-    return laws, skipped
+        have = sum(o.arch == arch for o in obs)
+        if have < MIN_POINTS_PER_ARCH:
+            skipped.append(f"{arch}: {have} points trained, an arch needs {MIN_POINTS_PER_ARCH}")
+    archs = [a for a in archs if sum(o.arch == a for o in obs) >= MIN_POINTS_PER_ARCH]
+    archs.sort(key=lambda a: a != "dense")
+    obs = [o for o in obs if o.arch in archs]
+    need = MIN_POINTS + len(archs) - 1
+    if not archs:
+        return None, skipped
+    if len(obs) < need:
+        return None, [*skipped, f"{'+'.join(archs)}: {len(obs)} points trained, a law needs {need}"]
+    fit = fit_joint(obs, tuple(archs))
+    fitted_budgets = tuple(sorted({p["budget"] for p in state.results(sweep) if p["arch"] in archs
+                                   and (budgets is None or p["budget"] in budgets)}))
+    return SweepLaw(fit, bootstrap_joint(obs, fit, samples=samples), obs, fitted_budgets), skipped
 
 
-def law_json(name: str, settings: SweepSettings, laws: dict[str, ArchLaw]) -> dict[str, Any]:
+def law_json(name: str, settings: SweepSettings, law: SweepLaw) -> dict[str, Any]:
     """law.json's content (adaptive.plan.quality.law_file's format)."""
-    from adaptive.plan.quality.law_file import file_dict, law_dict
-    from adaptive.plan.quality.laws import DenseLaw
+    from adaptive.plan.quality.law_file import arch_dict, file_dict, law_dict, refit_dict
 
-    fitted_on = (f"{settings.dataset} (the built-in BPE tokenizer, vocab {settings.vocab_size}; sequence "
-                 f"{settings.seq_len}); final eval loss in nats per token")
-    budgets = sorted({p["budget"] for law in laws.values() for p in law.points})  # the ones fitted on
-    source = (f"adaptive scale: isoFLOP sweep, budgets {', '.join(f'{c:.3g}' for c in budgets)} FLOPs, "
-              f"{settings.sizes} sizes each; Huber/L-BFGS fit as Hoffmann et al. 2022, approach 3")
-    entries = {}
-    for arch, law in laws.items():
-        f = law.fit
-        dense = DenseLaw(name=f"{name}:{arch}", E=f.E, A=f.A, B=f.B, alpha=f.alpha, beta=f.beta, source=source,
-                         fitted_on=fitted_on, n_definition=N_DEFINITION, params_range=law.params_range,
-                         tokens_range=law.tokens_range)
-        entries[arch] = law_dict(dense, f.points, f.rmse_log, law.bootstrap)
-    return file_dict(name, source, fitted_on, entries)
+    tokenizer = (f"the tokenizer in {settings.tokenizer}" if settings.tokenizer else "the built-in BPE tokenizer")
+    fitted_on = (f"{settings.dataset} ({tokenizer}, vocab {settings.vocab_size}; sequence {settings.seq_len}); final "
+                 "eval loss in nats per token")
+    source = (f"adaptive scale: isoFLOP sweep, budgets {', '.join(f'{c:.3g}' for c in law.budgets)} FLOPs, "
+              f"{settings.sizes} sizes each, {settings.seeds} seed(s) per point; "
+              "one law across archs (shared E, A, B, alpha, beta; a multiplier per arch on N, Clark et al. "
+              "2022), Huber/L-BFGS fit as Hoffmann et al. 2022, approach 3")
+    f = law.fit
+    archs = {}
+    for arch in law.archs:
+        mine = law.of(arch)
+        archs[arch] = arch_dict(f.multipliers[arch], (min(o.params for o in mine), max(o.params for o in mine)),
+                                (min(o.tokens for o in mine), max(o.tokens for o in mine)), len(mine),
+                                max(len(o.losses) for o in mine), law.seed_spread(arch))
+    refits = [refit_dict(r[:5], dict(zip(law.archs, r[5:]))) for r in law.bootstrap]
+    return file_dict(name, source, fitted_on, f.reference, law_dict(f.coefficients, N_DEFINITION, f.points, f.rmse_log),
+                     archs, refits)
 
 
-def write_outputs(out: Path, sweep: dict[str, Any], laws: dict[str, ArchLaw],
+def write_outputs(out: Path, sweep: dict[str, Any], law: SweepLaw | None,
                   held_out: Sequence[float] = ()) -> tuple[Path, Path]:
     """OUT/law.json and OUT/isoflop.png."""
-    if not laws:
+    if law is None:
         raise AdaptiveError("no architecture has enough trained points for a law; rerun to finish the sweep")
     from adaptive.scaling.plot import draw
 
     settings = SweepSettings.from_dict(sweep["settings"])
     law_path = Path(out) / LAW_FILE
-    atomic_write_text(law_path, json.dumps(law_json(Path(out).resolve().name, settings, laws), indent=1) + "\n")
-    cands = {arch: candidates(arch, settings.vocab_size, settings.seq_len) for arch in laws}
-    plot_path = draw(Path(out) / PLOT_FILE, state.results(sweep), {a: law.fit for a, law in laws.items()}, cands,
-                     held_out)
+    atomic_write_text(law_path, json.dumps(law_json(Path(out).resolve().name, settings, law), indent=1) + "\n")
+    cands = {arch: candidates(arch, settings.vocab_size, settings.seq_len) for arch in law.archs}
+    plot_path = draw(Path(out) / PLOT_FILE, state.results(sweep), {a: law.fit.for_arch(a) for a in law.archs},
+                     cands, held_out)
     return law_path, plot_path
 
 
@@ -160,7 +230,7 @@ class Scaled:
     """What `adaptive scale` did: the sweep, the laws, what it wrote, and the archs it could not fit."""
 
     sweep: dict[str, Any]
-    laws: dict[str, ArchLaw]
+    law: SweepLaw
     skipped: list[str]
     law_path: Path
     plot_path: Path
@@ -170,10 +240,11 @@ def scale(settings: SweepSettings, out: Path, events: Events | None = None, jobs
           samples: int = 100) -> Scaled:
     """The sweep (continued), the laws fitted on it, law.json and isoflop.png."""
     sweep = run_sweep(settings, out, events, jobs)
-    laws, skipped = fit_sweep(sweep, samples=samples)
-    law_path, plot_path = write_outputs(out, sweep, laws)
-    return Scaled(sweep, laws, skipped, law_path, plot_path)
+    law, skipped = fit_sweep(sweep, samples=samples)
+    law_path, plot_path = write_outputs(out, sweep, law)
+    assert law is not None  # write_outputs refuses None
+    return Scaled(sweep, law, skipped, law_path, plot_path)
 
 
-__all__ = ["ArchLaw", "BUILTIN_VOCAB", "Events", "LAW_FILE", "PLOT_FILE", "POINTS_DIR", "Scaled", "fit_sweep",
-           "law_json", "run_sweep", "scale", "write_outputs"]
+__all__ = ["BUILTIN_VOCAB", "Events", "LAW_FILE", "PLOT_FILE", "POINTS_DIR", "Scaled", "Separation", "SweepLaw",
+           "fit_sweep", "law_json", "observations", "run_sweep", "scale", "write_outputs"]

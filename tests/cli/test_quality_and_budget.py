@@ -91,3 +91,52 @@ def test_bad_quality_and_budget_input_is_one_line_and_exit_2(args, message):
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def _joint_law(tmp_path, moe: float, spread: float) -> str:
+    """A law.json of the joint form: dense the reference, MoE at `moe`x its parameters, refits spread by `spread`."""
+    from adaptive.plan.quality.law_file import arch_dict, file_dict, law_dict, refit_dict
+
+    shared = (1.8, 400.0, 900.0, 0.34, 0.3)
+    refits = [refit_dict(shared, {"dense": 1.0, "moe": moe * (1 + spread * (i - 10) / 10)}) for i in range(21)]
+    archs = {a: arch_dict(k, (1e8, 1e10), (1e9, 1e12), 9) for a, k in (("dense", 1.0), ("moe", moe))}
+    path = tmp_path / "law.json"
+    path.write_text(json.dumps(file_dict("mine", "test sweep", "test corpus", "dense",
+                                         law_dict(shared, "active", 18, 0.01), archs, refits)))
+    return str(path)
+
+
+@pytest.mark.parametrize("moe, spread, tie", [(1.05, 0.5, True), (3.0, 0.1, False)])
+def test_compare_and_the_budget_search_call_a_tie_under_a_joint_law(tmp_path, moe, spread, tie):
+    """Same shape as dense and MoE (b1's active parameters): with the MoE's multiplier's band holding 1 the pair is a
+    tie, said in words; with it well above 1, MoE is lower and nothing ties."""
+    law = _joint_law(tmp_path, moe, spread)
+    rows = json.loads(adaptive("compare", "--model", "b1", "--arch", "dense,moe", "--gpu", "h100-80gb", "--tokens",
+                               "20e9", "--loss-law", law, "--json").stdout)
+    moe_row = next(r for r in rows if r["arch"] == "moe")
+    dense_row = next(r for r in rows if r["arch"] == "dense")
+    assert moe_row["predicted_loss"] < dense_row["predicted_loss"]  # k > 1 either way
+    assert moe_row["best_quality"] and dense_row["ties_best_quality"] is tie
+    assert (dense_row["quality_tie"] is not None) is tie
+    shown = adaptive("compare", "--model", "b1", "--arch", "dense,moe", "--gpu", "h100-80gb", "--tokens", "20e9",
+                     "--loss-law", law).stdout
+    assert ("loss (tie): b1 moe on h100-80gb and b1 dense on h100-80gb tie" in shown) is tie
+    fit = json.loads(adaptive("fit", "--model", "b1", "--arch", "moe", "--gpu", "h100-80gb", "--loss-law", law,
+                              "--json").stdout)["quality"]
+    assert any(("a tie with dense" if tie else "separated from dense") in n for n in fit["notes"])
+    budget = json.loads(adaptive("fit", "--budget-usd", "3000", "--gpu", "h100-80gb", "--loss-law", law,
+                                 "--json").stdout)["budget"]
+    assert len(budget["versus_best"]) == 3  # the best arch against the other three
+    for versus in budget["versus_best"]:  # paired refits of one law decide each, not the bands
+        assert versus["gap_band"] is not None and versus["tie"] is (versus["gap_band"][0] <= 0)
+
+
+def test_a_law_file_of_the_old_per_arch_form_is_one_line_and_exit_2(tmp_path):
+    old = tmp_path / "law.json"
+    old.write_text(json.dumps({"format": "adaptive-loss-law", "version": 1, "name": "x", "source": "s",
+                               "fitted_on": "f", "laws": {"dense": {"E": 1.8, "A": 400.0, "B": 900.0, "alpha": 0.34,
+                                                                    "beta": 0.3, "params_range": [1e8, 1e10],
+                                                                    "tokens_range": [1e9, 1e12]}}}))
+    done = adaptive("fit", "--model", "b1", "--gpu", "h100-80gb", "--loss-law", str(old))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "version-1 file of separate per-arch laws" in done.stderr and "rerun `adaptive scale`" in done.stderr

@@ -95,27 +95,27 @@ def test_a_diverged_point_is_left_out_of_the_fit():
     points = _points()
     points.append({**points[0], "name": "dense-nan", "eval_loss": float("nan"), "status": "diverged",
                    "reason": "final eval loss is nan"})
-    laws, skipped = fit_sweep(_sweep(points), samples=10)
+    law, skipped = fit_sweep(_sweep(points), samples=10)
     assert not skipped
-    assert len(laws["dense"].points) == len(points) - 1
-    assert all(math.isfinite(p["eval_loss"]) for p in laws["dense"].points)
+    assert len(law.observations) == len(points) - 1
+    assert all(math.isfinite(o.loss) for o in law.observations)
 
 
 def test_an_arch_with_too_few_points_is_named_not_fitted():
-    laws, skipped = fit_sweep(_sweep(_points()[:4]), samples=10)
-    assert laws == {} and skipped == ["dense: 4 points trained, a law needs 5"]
+    law, skipped = fit_sweep(_sweep(_points()[:4]), samples=10)
+    assert law is None and skipped == ["dense: 4 points trained, a law needs 5"]
 
 
 def test_law_json_round_trips_through_the_planner_s_reader(tmp_path):
     sweep = _sweep(_points())
-    laws, _ = fit_sweep(sweep, samples=20)
+    law, _ = fit_sweep(sweep, samples=20)
     path = tmp_path / "law.json"
-    path.write_text(json.dumps(law_json("mine", SweepSettings.from_dict(sweep["settings"]), laws)))
+    path.write_text(json.dumps(law_json("mine", SweepSettings.from_dict(sweep["settings"]), law)))
     loaded = law_file.load(path)
-    law, fit = loaded.laws["dense"], laws["dense"].fit
-    assert (law.E, law.A, law.B, law.alpha, law.beta) == pytest.approx(fit.coefficients)
-    assert law.n_definition == "active"
-    assert law.params_range == (2e5, 1.6e6)
+    dense, fit = loaded.laws["dense"], law.fit.for_arch("dense")
+    assert (dense.E, dense.A, dense.B, dense.alpha, dense.beta) == pytest.approx(fit.coefficients)
+    assert dense.n_definition == "active" and loaded.reference == "dense"
+    assert dense.params_range == (2e5, 1.6e6)
     assert len(loaded.bootstrap["dense"]) == 20
-    assert loaded.rmse_log["dense"] == pytest.approx(fit.rmse_log)
-    assert law.loss(4e5, 1e7) == pytest.approx(fit.loss(4e5, 1e7))
+    assert loaded.rmse_log == pytest.approx(fit.rmse_log)
+    assert dense.loss(4e5, 1e7) == pytest.approx(fit.loss(4e5, 1e7))

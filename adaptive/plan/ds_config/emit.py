@@ -288,6 +288,9 @@ def budget_dict(result: BudgetResult) -> dict:
         "global_batch_from": "pinned (--global-batch-tokens)" if result.batch_pinned else
         "B_opt of each run's compute (DeepSeek LLM 2024), in power-of-two sequences",
         "winner_is_largest_tried": result.largest_tried,
+        "versus_best": [{"arch": v.higher if v.lower == result.best.request.spec.arch else v.lower, "tie": v.tie,
+                         "gap": v.gap, "gap_band": list(v.band) if v.band else None, "words": v.words()}
+                        for v in result.versus_best],
         "best_per_arch": [run_summary(p) for p in result.by_arch]}}
 
 

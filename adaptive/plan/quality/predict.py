@@ -12,6 +12,8 @@ with the stated effects of MoE, MoD and repeated data, and a band.
 - Repeated data (a known dataset size): Muennighoff et al. 2023's effective tokens and parameters.
 - The band: the two published fits of the same runs (Hoffmann; Besiroglu), the effects' own ranges, +-1% for
   the fit's residual, doubled outside the law's fitted range. A law.json's band is its bootstrap's 5-95%.
+- A law.json (`adaptive scale`) is one law across archs, each arch's N counted times its multiplier; an arch it
+  was not fitted on is its reference arch with the published effects.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class Quality:
     effective_tokens: float  # after repeats (and MoD's compute effect)
     unique_tokens: float | None
     notes: tuple[str, ...] = ()
+    samples: tuple[float, ...] = ()  # the loss under each bootstrap refit of a fitted law, in refit order (ranking.py)
+    refits_of: str = ""  # the law.json the samples' refits come from: two Qualities of one file pair up
 
     @property
     def perplexity(self) -> float:
@@ -77,7 +81,7 @@ def resolve_law(value: str | None) -> LossModel:
         from adaptive.plan.quality.law_file import load
 
         fitted = load(value)
-        return LossModel(name=fitted.name, dense=fitted.laws.get("dense", DENSE_LAWS[DEFAULT_LAW]), fitted=fitted)
+        return LossModel(name=fitted.name, dense=fitted.laws[fitted.reference], fitted=fitted)
     near = closest(value, DENSE_LAWS)
     raise AdaptiveError(f"unknown --loss-law {value!r}; " + (f"did you mean {near}?" if near else
                         "give chinchilla, epoch or a law.json that `adaptive scale` wrote"))
@@ -154,13 +158,16 @@ def predict(spec: ModelSpec, counts: ParamCounts, tokens: float, model: LossMode
         return _predict_fitted(fitted, spec, counts, tokens, unique_tokens, notes)
     fraction = mod_compute_fraction(spec, seq_len)
     base = model.dense
+    samples: tuple[float, ...] = ()
     center = _with_effects(base, spec, counts, tokens, unique_tokens, fraction)
     edges = [center]
     if fitted is None:  # the other published fit of the same runs
         edges += [_with_effects(law, spec, counts, tokens, unique_tokens, fraction) for law in DENSE_LAWS.values()]
     else:
-        edges += [_with_effects(b, spec, counts, tokens, unique_tokens, fraction) for b in fitted.bootstrap.get("dense", ())]
-        notes.append(f"{fitted.path} has no {spec.arch!r} law: its dense law with the published "
+        samples = tuple(_with_effects(b, spec, counts, tokens, unique_tokens, fraction)
+                        for b in fitted.bootstrap.get(fitted.reference, ()))
+        edges += list(samples)
+        notes.append(f"{fitted.path} was not fitted on {spec.arch!r}: its {fitted.reference} law with the published "
                      f"{'MoE and MoD effects' if spec.arch == 'hybrid' else 'MoE effect' if spec.is_moe else 'MoD effect'}")
     laws, sources, kind = [base.name], [base.source], "published law" if fitted is None else "fitted on your data"
     if spec.is_moe:
@@ -192,27 +199,47 @@ def predict(spec: ModelSpec, counts: ParamCounts, tokens: float, model: LossMode
                    law=" + ".join(laws), source="; ".join(sources), kind=kind, fitted_on=base.fitted_on, params=n,
                    n_definition=n_definition, tokens=tokens,
                    effective_tokens=repeated_data.effective_tokens(tokens * fraction, unique_tokens),
-                   unique_tokens=unique_tokens, notes=tuple(notes))
+                   unique_tokens=unique_tokens, notes=tuple(notes), samples=samples,
+                   refits_of=fitted.path if fitted is not None else "")
+
+
+def multiplier_note(fitted: FittedLaws, arch: str) -> str:
+    """How the joint law counts `arch`: its multiplier over the reference's, with the refits' 5-95%."""
+    from adaptive.plan.quality.ranking import interval
+
+    if arch == fitted.reference:
+        return f"joint law: {arch} is the reference (multiplier 1); the other archs' N count relative to it"
+    k, refits = fitted.multipliers[arch], fitted.multiplier_refits[arch]
+    text = (f"joint law: {arch}'s N counts {k:.2f}x {fitted.reference}'s (its effective parameters; at C = 6ND, its "
+            "compute multiplier)")
+    if not refits:
+        return text
+    lo, hi = interval(refits)
+    verdict = (f"a tie with {fitted.reference}: this data cannot separate them" if lo <= 1.0 <= hi else
+               f"separated from {fitted.reference}")
+    return f"{text}, {lo:.2f}-{hi:.2f} in 5-95% of {len(refits)} refits: {verdict}"
 
 
 def _predict_fitted(fitted: FittedLaws, spec: ModelSpec, counts: ParamCounts, tokens: float,
                     unique: float | None, notes: list[str]) -> Quality:
     law = fitted.laws[spec.arch]
     center = _dense_loss(law, counts, tokens, unique)
-    boots = sorted(_dense_loss(b, counts, tokens, unique) for b in fitted.bootstrap.get(spec.arch, ()))
+    samples = tuple(_dense_loss(b, counts, tokens, unique) for b in fitted.bootstrap.get(spec.arch, ()))
+    boots = sorted(samples)
     if len(boots) >= 10:
         lo, hi = boots[int(0.05 * (len(boots) - 1))], boots[int(math.ceil(0.95 * (len(boots) - 1)))]
     else:  # no bootstrap: the fit's own residual (log-loss RMSE)
-        spread = math.exp(fitted.rmse_log.get(spec.arch, 0.0))
+        spread = math.exp(fitted.rmse_log)
         lo, hi = center / spread, center * spread
     n = counted_params(counts, law.n_definition)
+    notes.append(multiplier_note(fitted, spec.arch))
     notes += _range_notes(law, n, tokens)
     extrapolated = any(note.startswith("extrapolated") for note in notes)
     return Quality(predicted_loss=center, band=_band(center, lo, hi, extrapolated, residual=0.0), law=law.name,
                    source=fitted.source,
                    kind="fitted on your data", fitted_on=fitted.fitted_on, params=n, n_definition=law.n_definition,
                    tokens=tokens, effective_tokens=repeated_data.effective_tokens(tokens, unique), unique_tokens=unique,
-                   notes=tuple(notes))
+                   notes=tuple(notes), samples=samples, refits_of=fitted.path)
 
 
 def quality_dict(q: Quality) -> dict:

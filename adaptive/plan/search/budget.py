@@ -18,6 +18,7 @@ from adaptive.plan.architecture.params import count_params
 from adaptive.plan.architecture.presets import ARCHS, ModelSpec, spec_from_shape
 from adaptive.plan.quality.hyperparams import optimal_batch_tokens
 from adaptive.plan.quality.predict import predict, resolve_law
+from adaptive.plan.quality.ranking import LossComparison, compare_quality
 from adaptive.plan.search.planner import FitRequest, Plan, fit, host_mem_for, hyperparams_for
 from adaptive.record import record
 
@@ -63,6 +64,12 @@ class BudgetResult:
     planned: int  # shapes planned
     batch_pinned: bool = False  # the global batch was --global-batch-tokens, not B_opt
     largest_tried: bool = False  # the winner is the largest model it could try: a larger one might do better
+    versus_best: tuple[LossComparison, ...] = ()  # the best against each other arch's best: lower, or a tie
+
+    @property
+    def ties(self) -> tuple[LossComparison, ...]:
+        """The archs the law cannot tell from the winner."""
+        return tuple(v for v in self.versus_best if v.tie)
 
 
 def batch_for_flops(flops: float, seq_len: int, world_size: int) -> int:
@@ -184,5 +191,7 @@ def search_budget(req: FitRequest, budget: Budget, candidates: dict[str, list[Mo
                             "raise the budget or use more GPUs")
     ranked = tuple(sorted(best_by_arch, key=lambda p: p.quality.predicted_loss))
     best = ranked[0]
+    versus = tuple(compare_quality(best.request.spec.arch, best.quality, p.request.spec.arch, p.quality)
+                   for p in ranked[1:])
     return BudgetResult(budget=budget, hours=hours, best=best, by_arch=ranked, planned=planned, batch_pinned=pinned,
-                        largest_tried=best.request.spec == largest.get(best.request.spec.arch))
+                        largest_tried=best.request.spec == largest.get(best.request.spec.arch), versus_best=versus)

@@ -28,6 +28,8 @@ C4 = "allenai/c4"
 _HUB_ALIASES = {"c4": C4}
 _HUB_DEFAULT_CONFIGS = {C4: "en"}
 _BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+SAVED = "saved"  # a folder `Dataset.save_to_disk` / `DatasetDict.save_to_disk` wrote: datasets.load_from_disk
+SAVED_MARKERS = ("state.json", "dataset_dict.json")
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,8 @@ def resolve_source(cfg: DataConfig) -> DataSource:
         return DataSource(str(DEFAULT_CORPUS), "text", (str(DEFAULT_CORPUS),))
     name = cfg.dataset
     path = Path(name).expanduser()
+    if path.is_dir() and any((path / marker).is_file() for marker in SAVED_MARKERS):
+        return DataSource(name, SAVED, (str(path),))
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _BUILDERS and not p.name.startswith("."))
         if not files:
@@ -199,6 +203,8 @@ def _load_local(source: DataSource, cfg: DataConfig, streaming: bool) -> dataset
     """The files through their `datasets` builder; None when every file is empty."""
     import datasets
 
+    if source.builder == SAVED:
+        return _load_saved(source, streaming)
     files = [f for f in source.data_files if os.path.getsize(f) > 0]
     if len(files) < len(source.data_files):
         logger.warning("skipping %d empty file(s) in %s", len(source.data_files) - len(files), source.label)
@@ -214,6 +220,21 @@ def _load_local(source: DataSource, cfg: DataConfig, streaming: bool) -> dataset
     except (datasets.exceptions.DatasetGenerationError, ValueError, OSError, UnicodeDecodeError) as err:
         cause = err.__cause__ or err
         raise AdaptiveError(f"could not read {source.label!r} as {source.builder}: {_first_line(cause)}") from None
+
+
+def _load_saved(source: DataSource, streaming: bool) -> datasets.Dataset | datasets.IterableDataset:
+    """A saved dataset; of a DatasetDict, its train split (the only one a local source has)."""
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(source.data_files[0])
+    except (FileNotFoundError, ValueError, OSError) as err:
+        raise AdaptiveError(f"could not read {source.label!r} as a saved dataset: {_first_line(err)}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise AdaptiveError(f"saved dataset {source.label!r} has no train split (splits: {', '.join(ds)})")
+        ds = ds["train"]
+    return ds.to_iterable_dataset() if streaming else ds
 
 
 def _columns(ds: datasets.Dataset | datasets.IterableDataset) -> list[str]:
@@ -242,7 +263,7 @@ def load_text_dataset(cfg: DataConfig, split: str = "train", streaming: bool | N
         ds = _load_hub(source, split, cfg)
     if ds is None:
         return None
-    field = "text" if source.builder == "text" else cfg.text_field
+    field = "text" if source.builder == "text" else cfg.text_field  # a saved dataset's too: --text-field
     columns = _columns(ds)
     if field not in columns:
         if not columns:

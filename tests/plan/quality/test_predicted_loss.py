@@ -10,8 +10,8 @@ import pytest
 from adaptive.errors import AdaptiveError
 from adaptive.plan import count_params, fit, make_request, preset_spec
 from adaptive.plan.estimate.throughput import model_flops_per_token
-from adaptive.plan.quality.law_file import file_dict, law_dict, load
-from adaptive.plan.quality.laws import CHINCHILLA, EPOCH, JOINT_MOE, DenseLaw
+from adaptive.plan.quality.law_file import arch_dict, file_dict, law_dict, load, refit_dict
+from adaptive.plan.quality.laws import CHINCHILLA, EPOCH, JOINT_MOE
 from adaptive.plan.quality.predict import mod_compute_fraction, predict, resolve_law
 
 
@@ -95,42 +95,55 @@ def test_outside_the_fitted_range_it_warns_and_widens_the_band():
     assert width(outside) > width(inside)
 
 
-def _law_file(tmp_path, **laws) -> str:
+def _law_file(tmp_path, multipliers: dict[str, float], refits: list[tuple[tuple, dict]]) -> str:
+    """A law.json of the joint form: E 2, A 300, B 900, alpha = beta = 0.3, the given multipliers and refits."""
     path = tmp_path / "law.json"
-    path.write_text(json.dumps(file_dict("mine", "adaptive scale test", "builtin corpus", laws)))
+    archs = {a: arch_dict(k, (1e5, 2e9), (1e6, 1e11), 9) for a, k in multipliers.items()}
+    path.write_text(json.dumps(file_dict("mine", "adaptive scale test", "builtin corpus", "dense",
+                                         law_dict((2.0, 300.0, 900.0, 0.3, 0.3), "active", 18, 0.01), archs,
+                                         [refit_dict(c, m) for c, m in refits])))
     return str(path)
 
 
 def test_a_fitted_law_file_predicts_with_its_own_coefficients_and_bootstrap_band(tmp_path):
-    law = DenseLaw("x", 2.0, 300.0, 900.0, 0.3, 0.3, source="", fitted_on="", n_definition="active",
-                   params_range=(1e5, 2e9), tokens_range=(1e6, 1e11))
-    boots = [(2.0 + 0.01 * i, 300.0, 900.0, 0.3, 0.3) for i in range(-10, 11)]
-    path = _law_file(tmp_path, dense=law_dict(law, 9, 0.01, boots))
+    refits = [((2.0 + 0.01 * i, 300.0, 900.0, 0.3, 0.3), {"dense": 1.0, "moe": 2.0}) for i in range(-10, 11)]
+    path = _law_file(tmp_path, {"dense": 1.0, "moe": 2.0}, refits)
     spec = preset_spec("b1")
     c = count_params(spec)
     q = predict(spec, c, 2e10, resolve_law(path))
     assert q.predicted_loss == pytest.approx(2.0 + 300 / c.active**0.3 + 900 / 2e10**0.3)
     assert q.band[0] == pytest.approx(q.predicted_loss - 0.09, abs=1e-9)  # the 5th-95th bootstrap percentiles
     assert q.band[1] == pytest.approx(q.predicted_loss + 0.09, abs=1e-9)
-    assert q.kind == "fitted on your data" and q.fitted_on == "builtin corpus" and not q.notes
+    assert q.kind == "fitted on your data" and q.fitted_on == "builtin corpus"
+    assert len(q.samples) == 21 and q.samples[0] == pytest.approx(q.predicted_loss - 0.1)  # in refit order
     b7 = predict(preset_spec("b7"), count_params(preset_spec("b7")), 2e10, resolve_law(path))
     assert any(n.startswith("extrapolated") for n in b7.notes)  # above the fitted 2e9 params: said, not refused
     assert b7.band[1] - b7.predicted_loss == pytest.approx(2 * 0.09, abs=1e-9)  # and the band doubled
-    moe = predict(preset_spec("b1", "moe"), count_params(preset_spec("b1", "moe")), 2e10, resolve_law(path))
-    assert any("has no 'moe' law" in n for n in moe.notes)
+    moe_spec = preset_spec("b1", "moe")
+    mc = count_params(moe_spec)
+    moe = predict(moe_spec, mc, 2e10, resolve_law(path))  # its N counts twice: A / (2 N)^alpha
+    assert moe.predicted_loss == pytest.approx(2.0 + 300 / (2 * mc.active)**0.3 + 900 / 2e10**0.3)
+    assert any("moe's N counts 2.00x" in n for n in moe.notes)
+    mod = predict(preset_spec("b1", "mod"), count_params(preset_spec("b1", "mod")), 2e10, resolve_law(path))
+    assert any("was not fitted on 'mod'" in n for n in mod.notes) and len(mod.samples) == 21
+
+
+V2 = ('{"format": "adaptive-loss-law", "version": 2, "name": "x", "source": "s", "fitted_on": "f", '
+      '"reference": "dense", ')
+ARCHS = '"archs": {"dense": {"multiplier": 1.0, "params_range": [1, 2], "tokens_range": [1, 2]}}'
 
 
 @pytest.mark.parametrize("content,message", [
     ("{", "not a readable JSON file"),
     ("[]", "must hold a JSON object"),
     ('{"format": "adaptive-loss-law", "version": 1, "name": "x", "source": "s", "fitted_on": "f", "laws": '
-     '{"dense": {"E": 1.0, "A": 1.0, "B": 1.0, "alpha": 0.3, "params_range": [1, 2], "tokens_range": [1, 2]}}}',
-     "lacks 'laws.dense.beta'"),
-    ('{"format": "adaptive-loss-law", "version": 1, "name": "x", "source": "s", "fitted_on": "f", "laws": '
-     '{"dense": {"E": 1.0, "A": -1.0, "B": 1.0, "alpha": 0.3, "beta": 0.3, "params_range": [1, 2], '
-     '"tokens_range": [1, 2]}}}', "laws.dense.A"),
-    ('{"format": "adaptive-loss-law", "version": 1, "name": "x", "source": "s", "fitted_on": "f", "laws": {}}',
-     "laws"),
+     '{"dense": {"E": 1.0, "A": 1.0, "B": 1.0, "alpha": 0.3, "beta": 0.3, "params_range": [1, 2], '
+     '"tokens_range": [1, 2]}}}', "version-1 file of separate per-arch laws.*rerun `adaptive scale`"),
+    (V2 + '"law": {"E": 1.0, "A": 1.0, "B": 1.0, "alpha": 0.3}, ' + ARCHS + "}", "lacks 'law.beta'"),
+    (V2 + '"law": {"E": 1.0, "A": -1.0, "B": 1.0, "alpha": 0.3, "beta": 0.3}, ' + ARCHS + "}", "law.A"),
+    (V2 + '"law": {"E": 1.0, "A": 1.0, "B": 1.0, "alpha": 0.3, "beta": 0.3}, "archs": {}}', "archs"),
+    (V2.replace('"dense"', '"moe"') + '"law": {"E": 1.0, "A": 1.0, "B": 1.0, "alpha": 0.3, "beta": 0.3}, ' + ARCHS
+     + "}", "reference 'moe' is not one of archs"),
 ])
 def test_a_malformed_law_file_is_one_line(tmp_path, content, message):
     path = tmp_path / "law.json"

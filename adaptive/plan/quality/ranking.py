@@ -1,0 +1,77 @@
+"""Which of two predicted losses is lower, or whether the law cannot tell (a tie), said in words.
+
+With a law fitted on your data (`adaptive scale`'s joint law), both predictions come from the same bootstrap
+refits, index by index, so their difference has its own band: the 5-95% of the paired differences. A pair whose
+band holds zero is a tie. With a published law there are no paired refits: a pair is a tie when either
+prediction lies within the other's band. Pure Python (the planner imports no numpy).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from adaptive.record import record
+
+BAND = (0.05, 0.95)  # the quantiles a tie is judged on (the bands the planner shows)
+MIN_PAIRED = 10  # fewer refits than this: the bands decide
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The q-quantile of `values`, interpolated between order statistics (numpy's default)."""
+    s = sorted(values)
+    at = q * (len(s) - 1)
+    lo = math.floor(at)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (at - lo)
+
+
+def interval(values: Sequence[float]) -> tuple[float, float]:
+    return quantile(values, BAND[0]), quantile(values, BAND[1])
+
+
+@record
+class LossComparison:
+    """Two predictions side by side: which is lower, by how much (relative), and whether that is a tie."""
+
+    lower: str  # the label of the lower predicted loss
+    higher: str
+    gap: float  # (higher - lower) / lower at the centres
+    band: tuple[float, float] | None  # 5-95% of the paired relative gap; None when the bands decided
+    tie: bool
+
+    def words(self) -> str:
+        if self.band is None:
+            how = "their bands overlap" if self.tie else "their bands do not overlap"
+        else:
+            how = f"paired refits put the gap at {self.band[0]:+.2%} to {self.band[1]:+.2%}"
+        if self.tie:
+            return f"{self.lower} and {self.higher} tie: {self.gap:.2%} apart, and {how}"
+        return f"{self.lower} is lower than {self.higher} by {self.gap:.2%} ({how})"
+
+
+def compare_losses(label_a: str, center_a: float, band_a: tuple[float, float], samples_a: Sequence[float],
+                   label_b: str, center_b: float, band_b: tuple[float, float],
+                   samples_b: Sequence[float]) -> LossComparison:
+    """a against b. `samples_*` are the predictions under the same law's bootstrap refits, in refit order (empty
+    for a published law); paired when both have as many, at least MIN_PAIRED."""
+    flip = center_b < center_a
+    if flip:
+        label_a, center_a, band_a, samples_a, label_b, center_b, band_b, samples_b = (
+            label_b, center_b, band_b, samples_b, label_a, center_a, band_a, samples_a)
+    gap = (center_b - center_a) / center_a
+    if len(samples_a) >= MIN_PAIRED and len(samples_a) == len(samples_b):
+        band = interval([(b - a) / a for a, b in zip(samples_a, samples_b)])
+        return LossComparison(label_a, label_b, gap, band, tie=band[0] <= 0.0)
+    tie = band_b[0] <= center_a <= band_b[1] or band_a[0] <= center_b <= band_a[1]
+    return LossComparison(label_a, label_b, gap, None, tie)
+
+
+def compare_quality(label_a: str, a, label_b: str, b) -> LossComparison:
+    """compare_losses on two `predict.Quality`s (paired only when one law file's refits made both)."""
+    same_law = bool(a.refits_of) and a.refits_of == b.refits_of
+    return compare_losses(label_a, a.predicted_loss, a.band, a.samples if same_law else (),
+                          label_b, b.predicted_loss, b.band, b.samples if same_law else ())
+
+
+__all__ = ["BAND", "LossComparison", "compare_losses", "compare_quality", "interval", "quantile"]
