@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -32,6 +33,32 @@ def test_bad_input_is_one_line_and_exit_2_and_writes_nothing(tmp_path, args, mes
     assert not out.exists()
 
 
+def test_a_tokenizer_without_a_vocab_or_data_without_its_text_field_is_one_line_and_exit_2(tmp_path):
+    """Checked before any point trains: transformers builds an empty tokenizer from a folder with only a config.json,
+    which would train every point on nothing."""
+    empty = tmp_path / "tokenizer"
+    empty.mkdir()
+    (empty / "config.json").write_text('{"model_type": "gpt2"}')
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"body": "The quick brown fox."}\n{"body": "Jumps over the lazy dog."}\n')
+    saved = tmp_path / "saved"
+    import datasets
+
+    datasets.Dataset.from_dict({"body": ["The quick brown fox.", "Jumps over."]}).save_to_disk(str(saved))
+    for args, message in (
+        (["--tokenizer", str(empty)], f"error: tokenizer '{empty.resolve()}' has no vocabulary"),
+        (["--tokenizer", str(tmp_path / "none")], "error: --tokenizer"),
+        (["--dataset", str(rows)], f"error: {rows}:1 has no 'text' field (fields: body); pass --text-field NAME"),
+        (["--dataset", str(saved)], f"error: {str(saved)!r} has no 'text' field (fields: body)"),
+        (["--seeds", "0"], "error: Invalid value for '--seeds'"),
+    ):
+        out = tmp_path / "sweep"
+        done = scale("--out", str(out), *args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert done.stderr.startswith(message) and done.stderr.count("\n") == 1, (args, done.stderr)
+        assert not out.exists()
+
+
 def test_scale_help_and_its_checks_import_no_torch():
     code = ("import sys; from cli.main import run; rc = run(['scale', '--out', '/nonexistent/x', '--sizes', '1']); "
             "assert rc == 2; assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
@@ -42,21 +69,37 @@ def test_scale_help_and_its_checks_import_no_torch():
 
 
 @pytest.mark.slow
-def test_a_sweep_on_the_shipped_corpus_writes_a_law_the_planner_reads_and_a_plot(tmp_path):
-    from adaptive.plan.quality import law_file
+def test_a_sweep_with_its_own_tokenizer_and_saved_dataset_writes_a_joint_law_the_planner_reads(tmp_path):
+    """Dense and MoE on the shipped corpus as a saved dataset (its text in a "body" column), tokenized by a
+    512-token BPE saved to a folder: one law.json of both archs, its multiplier, and the plot."""
+    import datasets
 
+    from adaptive.plan.quality import law_file
+    from adaptive.train.data.tokenizer import DEFAULT_CORPUS, train_bpe
+
+    tokenizer = tmp_path / "tokenizer"
+    train_bpe(DEFAULT_CORPUS, 512).save_pretrained(str(tokenizer))
+    saved = tmp_path / "corpus"
+    docs = [d for d in DEFAULT_CORPUS.read_text(encoding="utf-8").split("\n\n") if d.strip()]
+    datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(saved))
     out = tmp_path / "sweep"
-    done = scale("--out", str(out), "--budgets", "2e10,4e10", "--sizes", "3", "--seq-len", "64", "--jobs", "2",
-                 "--bootstrap", "20")
+    args = ("--out", str(out), "--arch", "dense,moe", "--budgets", "2e10,4e10", "--sizes", "3", "--seq-len", "64",
+            "--bootstrap", "20", "--tokenizer", str(tokenizer), "--dataset", str(saved), "--text-field", "body")
+    done = scale(*args, "--jobs", "2")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "isoFLOP sweep" in done.stdout and "wrote" in done.stdout
+    assert "isoFLOP sweep" in done.stdout and "wrote" in done.stdout and "dense vs moe:" in done.stdout
     law = law_file.load(out / "law.json")
+    assert law.reference == "dense" and set(law.laws) == {"dense", "moe"} and law.multipliers["dense"] == 1.0
+    assert len(law.bootstrap["moe"]) == 20 and len(law.multiplier_refits["moe"]) == 20
+    assert f"the tokenizer in {tokenizer}" in law.fitted_on and "vocab 512" in law.fitted_on
     dense = law.laws["dense"]
-    assert dense.n_definition == "active" and len(law.bootstrap["dense"]) == 20
+    assert dense.n_definition == "active" and dense.alpha == law.laws["moe"].alpha  # shared exponents
     lo, hi = dense.params_range
     assert lo < hi and dense.tokens_range[0] < dense.tokens_range[1]
     assert (out / "isoflop.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    again = scale("--out", str(out), "--budgets", "2e10,4e10", "--sizes", "3", "--seq-len", "64", "--bootstrap", "20")
-    assert again.returncode == 0 and "6 of 6 points done already" in again.stdout  # nothing retrained
-    other = scale("--out", str(out), "--budgets", "2e10,8e10", "--sizes", "3", "--seq-len", "64")
+    point = json.loads(next((out / "points").glob("moe-*/point.json")).read_text())
+    assert point["vocab_size"] == 512  # the model's embedding is the tokenizer's
+    again = scale(*args)
+    assert again.returncode == 0 and "12 of 12 points done already" in again.stdout  # nothing retrained
+    other = scale(*args[:5], "2e10,8e10", *args[6:])
     assert other.returncode == 2 and "holds a sweep with other settings (budgets" in other.stderr

@@ -56,3 +56,18 @@ def test_a_bad_sweep_is_one_line_naming_the_value(change, message):
     with pytest.raises(AdaptiveError) as err:
         plan_grid(settings(**change))
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_seeds_repeat_every_shape_with_the_next_seed_and_an_old_sweep_reads_as_one_seed(tmp_path):
+    from adaptive.scaling.runner import recipe_flags
+
+    base = settings()
+    one = plan_grid(base)
+    two = plan_grid(settings(seeds=2, seed=7))
+    assert len(two) == 2 * len(one)
+    assert {p.name for p in two} == {p.name for p in one} | {p.name + "-s1" for p in one}
+    assert {p.shape_name for p in two} == {p.name for p in one}
+    seeds = {p.replica: recipe_flags(p, settings(seed=7), tmp_path / p.name) for p in two[:1] + two[-1:]}
+    assert [flags[flags.index("--seed") + 1] for flags in seeds.values()] == ["7", "8"]
+    old = {k: v for k, v in base.as_dict().items() if k not in ("seeds", "tokenizer", "text_field")}
+    assert SweepSettings.from_dict(old) == base  # a sweep.json written before --seeds continues

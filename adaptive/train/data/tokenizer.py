@@ -142,6 +142,10 @@ def load_tokenizer(name_or_path: str | None, vocab_size: int = DEFAULT_VOCAB_SIZ
             f"could not load tokenizer {name_or_path!r} as a {where}: {cause}; "
             "pass a local tokenizer folder, or omit --tokenizer for the built-in one"
         ) from None
+    if not tokenizer.get_vocab() or not tokenizer("The quick brown fox.")["input_ids"]:
+        # transformers builds an empty tokenizer from a folder with a config.json and no vocabulary files
+        raise AdaptiveError(f"tokenizer {name_or_path!r} has no vocabulary (no tokenizer.json, or vocab and merges "
+                            "files); pass a folder that `tokenizer.save_pretrained` wrote")
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise AdaptiveError(f"tokenizer {name_or_path!r} has no fast (tokenizers) backend; use one with tokenizer.json")
     if tokenizer.eos_token_id is None:
