@@ -44,6 +44,8 @@ DOC_CHARS = 4000  # documents of about this many characters, cut at a sentence e
 BUDGETS = (2e11, 4e11, 8e11, 1.6e12)
 ARCHS = ("dense", "moe", "mod", "hybrid")
 LEVEL_TARGET_PCT = 1.5  # each arch's best loss at the held-out budget
+# the user's brief (shared/seeds), B1 on 20B tokens: final loss against dense's 3.18 (MoE 3.01, MoD 3.25, hybrid 2.93)
+BRIEF = {"moe": 3.01 / 3.18 - 1, "mod": 3.25 / 3.18 - 1, "hybrid": 2.93 / 3.18 - 1}
 
 
 def _longest_string(source: str) -> str:
@@ -149,15 +151,23 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--seeds", type=int, default=1, help="runs per point; the fit sees their mean and spread")
+    parser.add_argument("--text-field", default="text", help="the text column of a .jsonl/.parquet/saved dataset")
+    parser.add_argument("--tokenizer", default=None, help="a local tokenizer folder (default: the built-in BPE)")
     args = parser.parse_args()
     budgets = tuple(sorted(float(b) for b in args.budgets.split(",")))
 
     began = time.monotonic()
     dataset = args.dataset or fetch_corpus(Path(args.cache))
     print(f"corpus: {dataset}", flush=True)
+    vocab = 2048
+    if args.tokenizer:
+        from adaptive.train.data.tokenizer import load_tokenizer
+
+        args.tokenizer = str(Path(args.tokenizer).resolve())
+        vocab = len(load_tokenizer(args.tokenizer))
     settings = SweepSettings(archs=tuple(args.arch.split(",")), budgets=budgets, sizes=3, dataset=dataset,
-                             seq_len=args.seq_len, seed=0, lr=3e-3, micro_batch=args.micro_batch, vocab_size=2048,
-                             seeds=args.seeds)
+                             seq_len=args.seq_len, seed=0, lr=3e-3, micro_batch=args.micro_batch, vocab_size=vocab,
+                             seeds=args.seeds, tokenizer=args.tokenizer, text_field=args.text_field)
     out = Path(args.out)
     try:
         sweep = run_sweep(settings, out, Print(), jobs=args.jobs)
@@ -179,7 +189,7 @@ def main() -> int:
     from adaptive.scaling.plot import draw
 
     png = draw(out / "isoflop_heldout.png", state.results(sweep), {a: law.fit.for_arch(a) for a in law.archs},
-               {a: candidates(a, 2048, args.seq_len) for a in law.archs}, held_out=[top])
+               {a: candidates(a, vocab, args.seq_len) for a in law.archs}, held_out=[top])
     if args.png:
         Path(args.png).write_bytes(png.read_bytes())
     f = law.fit
@@ -198,6 +208,21 @@ def main() -> int:
     print("\nmultipliers (the fitted budgets):")
     for sep in law.separations():
         print(f"- {sep.words()}")
+    cands = {a: candidates(a, vocab, args.seq_len) for a in law.archs}
+    for arch in law.archs[1:]:
+        k, (lo, hi) = law.compute_multiplier(arch, top, cands)
+        print(f"- at {top:.3g} FLOPs, {arch} = {k:.2f}x {f.reference} compute ({lo:.2f}-{hi:.2f})")
+    ref_row = next(r for r in rows if r["arch"] == f.reference)
+    n = ref_row["best_measured"]
+    d = next(o.tokens for o in observations(sweep, budgets=[top]) if o.arch == f.reference and o.params == n)
+    print(f"\nthe brief's claims (B1, equal tokens) beside the law's at equal N and D ({f.reference}'s best point at "
+          f"{top:.3g}: N {n:,.0f}, D {d:,.0f}):")
+    for arch in law.archs[1:]:
+        ratios = [law.refit(i, arch).loss(n, d) / law.refit(i, f.reference).loss(n, d) - 1
+                  for i in range(len(law.bootstrap))]
+        lo, hi = interval(ratios)
+        print(f"- {arch}: brief {BRIEF[arch]:+.1%}; law {f.loss(arch, n, d) / f.loss(f.reference, n, d) - 1:+.2%} "
+              f"({lo:+.2%} to {hi:+.2%})")
     print(f"\npairs at {top:.3g} (law: paired bootstrap refits; runs: best measured):")
     for c in pairs:
         v = c["verdict"]

@@ -86,6 +86,22 @@ def law_table(law: Any) -> Table:
     return t
 
 
+def compute_lines(law: Any, settings: dict[str, Any], budget: float | None = None) -> list[str]:
+    """Each arch's compute multiplier at `budget` (default: the largest fitted), in words."""
+    from adaptive.scaling.grid import candidates
+
+    budget = budget or max(law.budgets)
+    ref = law.fit.reference
+    cands = {a: candidates(a, settings["vocab_size"], settings["seq_len"]) for a in law.archs}
+    lines = []
+    for arch in law.archs:
+        if arch != ref:
+            k, (lo, hi) = law.compute_multiplier(arch, budget, cands)
+            lines.append(f"at {budget:.3g} FLOPs, {arch} = {k:.2f}x {ref} compute ({lo:.2f}-{hi:.2f}): {ref} at its best "
+                         f"size needs {k:.2f}x the FLOPs for the loss {arch} reaches at its best size")
+    return lines
+
+
 def show_result(done: Scaled) -> None:
     points = sorted(done.sweep["points"].values(), key=lambda p: (p["arch"], p["budget"], p["params"]))
     t = Table(title="isoFLOP sweep (final eval loss, nats/token)")
@@ -100,6 +116,8 @@ def show_result(done: Scaled) -> None:
     console.print(t)
     console.print("* the budget's best size")
     console.print(law_table(done.law))
+    for line in compute_lines(done.law, done.sweep["settings"]):
+        console.print(line)
     for pair in done.law.separations():
         console.print(pair.words())
     for p in state.results(done.sweep, state.DIVERGED):

@@ -58,4 +58,26 @@ def curve(fit: Fit, budget: float, params: np.ndarray, cands: Sequence[Candidate
     return fit.loss(params, tokens)
 
 
-__all__ = ["Optimum", "best_of", "curve", "flops_per_token_at", "loss_at", "optimum"]
+
+
+def compute_multiplier(fit: Fit, cands: Sequence[Candidate], reference: Fit, reference_cands: Sequence[Candidate],
+                       budget: float) -> float:
+    """How many times `budget` the reference arch needs to reach the loss `fit`'s arch reaches at `budget`, each at
+    its own compute-optimal size on the ladder (isoFLOP, with each arch's own FLOPs per token): the arch's compute
+    multiplier at this budget (> 1: it is worth more compute than it spends)."""
+    target = optimum(fit, budget, cands).loss
+    lo, hi = math.log(budget) - 12.0, math.log(budget) + 12.0  # a factor of e^12 either way
+    if optimum(reference, math.exp(hi), reference_cands).loss > target:
+        return math.inf
+    if optimum(reference, math.exp(lo), reference_cands).loss < target:
+        return 0.0
+    for _ in range(60):  # the reference's optimal loss falls with compute: bisect in log C
+        mid = 0.5 * (lo + hi)
+        if optimum(reference, math.exp(mid), reference_cands).loss > target:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp(0.5 * (lo + hi)) / budget
+
+
+__all__ = ["Optimum", "best_of", "compute_multiplier", "curve", "flops_per_token_at", "loss_at", "optimum"]

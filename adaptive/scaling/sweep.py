@@ -27,7 +27,8 @@ from adaptive.record import record
 from adaptive.scaling import state
 from adaptive.scaling.fit_law import (MIN_POINTS, MIN_POINTS_PER_ARCH, N_DEFINITION, Fit, JointFit, Observation,
                                       bootstrap_joint, fit_joint, interval)
-from adaptive.scaling.grid import Point, SweepSettings, candidates, plan_grid
+from adaptive.scaling.frontier import compute_multiplier
+from adaptive.scaling.grid import Candidate, Point, SweepSettings, candidates, plan_grid
 from adaptive.scaling.runner import Outcome, run_point
 
 LAW_FILE = "law.json"
@@ -142,6 +143,16 @@ class SweepLaw:
                 ratios = [r[5 + i] / r[5 + j] for r in self.bootstrap]
                 out.append(Separation(a, b, self.fit.multipliers[a] / self.fit.multipliers[b], interval(ratios)))
         return out
+
+    def compute_multiplier(self, arch: str, budget: float,
+                           cands: dict[str, list[Candidate]]) -> tuple[float, tuple[float, float]]:
+        """The compute the reference arch needs for the loss `arch` reaches at `budget` (each at its best size on the
+        ladder `cands`), over `budget`: the fit's and the 5-95% of the refits'."""
+        ref = self.fit.reference
+        center = compute_multiplier(self.fit.for_arch(arch), cands[arch], self.fit.for_arch(ref), cands[ref], budget)
+        refits = [compute_multiplier(self.refit(i, arch), cands[arch], self.refit(i, ref), cands[ref], budget)
+                  for i in range(len(self.bootstrap))]
+        return center, interval(refits)
 
     def of(self, arch: str) -> list[Observation]:
         return [o for o in self.observations if o.arch == arch]

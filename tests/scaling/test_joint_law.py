@@ -122,3 +122,19 @@ def test_an_arch_needs_three_points_for_its_multiplier():
     obs = [o for o in draw(seeds=1) if o.arch != "moe" or o.params == 2e5][:-16]
     with pytest.raises(AdaptiveError, match="needs at least 3"):
         fit_joint(obs, tuple(TRUE_K))
+
+
+def test_the_compute_multiplier_is_the_reference_s_compute_for_the_same_best_loss(law):
+    """At a budget, the reference arch at its best size on the ladder needs m times the FLOPs for the loss the arch
+    reaches at its own best size; an arch equal to the reference is 1."""
+    from adaptive.scaling.frontier import compute_multiplier, optimum
+    from adaptive.scaling.grid import candidates
+
+    cands = {a: candidates(a, 2048, 128) for a in TRUE_K}
+    dense = law.fit.for_arch("dense")
+    assert compute_multiplier(dense, cands["dense"], dense, cands["dense"], 1e13) == pytest.approx(1.0, rel=1e-6)
+    m, (lo, hi) = law.compute_multiplier("moe", 1e13, cands)
+    assert m > 1.5 and lo <= m <= hi
+    reached = optimum(law.fit.for_arch("moe"), 1e13, cands["moe"]).loss
+    assert optimum(dense, m * 1e13, cands["dense"]).loss == pytest.approx(reached, rel=1e-6)
+    assert law.compute_multiplier("mod", 1e13, cands)[0] < 1.0  # k 0.8: worth less compute than it spends

@@ -11,9 +11,9 @@ import pytest
 from tests.conftest import subprocess_env
 
 
-def scale(*args: str) -> subprocess.CompletedProcess:
+def scale(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cli", "scale", *args], capture_output=True, text=True,
-                          env=subprocess_env(), timeout=120)
+                          env=subprocess_env(), timeout=timeout)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -85,7 +85,7 @@ def test_a_sweep_with_its_own_tokenizer_and_saved_dataset_writes_a_joint_law_the
     out = tmp_path / "sweep"
     args = ("--out", str(out), "--arch", "dense,moe", "--budgets", "2e10,4e10", "--sizes", "3", "--seq-len", "64",
             "--bootstrap", "20", "--tokenizer", str(tokenizer), "--dataset", str(saved), "--text-field", "body")
-    done = scale(*args, "--jobs", "2")
+    done = scale(*args, "--jobs", "2", timeout=1200)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "isoFLOP sweep" in done.stdout and "wrote" in done.stdout and "dense vs moe:" in done.stdout
     law = law_file.load(out / "law.json")
