@@ -222,8 +222,8 @@ def budget(result: BudgetResult, files: dict[str, Path] | None = None) -> None:
                   f"{human(best.train_tokens)} tokens; {result.planned} models planned on the size ladder "
                   "(adaptive/plan/architecture/ladder.py).", soft_wrap=True)
     for v in result.versus_best:
-        console.print(("Tie: " if v.tie else "") + v.words() + (": the law cannot say which buys the lower loss."
-                                                                 if v.tie else "."), soft_wrap=True)
+        console.print(v.words() + (": the law cannot say which buys the lower loss." if v.tie else "."),
+                      soft_wrap=True)
     if result.largest_tried:
         console.print("[yellow]The winner is the largest model tried[/yellow] (the ladder's end, or --max-params): "
                       "a larger one might buy a lower loss.", soft_wrap=True)
