@@ -12,6 +12,7 @@ resumes from its last checkpoint. A point that diverges is recorded as such and 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+
 from adaptive.durable import atomic_write_text
 from adaptive.errors import AdaptiveError
 from adaptive.record import record
@@ -93,7 +95,7 @@ def run_sweep(settings: SweepSettings, out: Path, events: Events | None = None, 
 
 @record
 class Separation:
-    """Two archs under the joint law: a's multiplier over b's, with its bootstrap 5-95%."""
+    """Two archs under the joint law: a's multiplier over b's (a the larger), with its bootstrap 5-95%."""
 
     a: str
     b: str
@@ -106,11 +108,10 @@ class Separation:
 
     def words(self) -> str:
         lo, hi = self.band
-        span = f"{self.ratio:.2f}x ({lo:.2f}-{hi:.2f})"
+        span = f"{self.a} = {self.ratio:.2f}x {self.b}'s effective parameters ({lo:.2f}-{hi:.2f})"
         if not self.separated:
-            return f"{self.a} vs {self.b}: {span}, a tie (this sweep cannot separate them)"
-        ahead, behind = (self.a, self.b) if self.ratio > 1 else (self.b, self.a)
-        return f"{self.a} vs {self.b}: {span}, separated: {ahead} ahead of {behind}"
+            return f"{span}: a tie, this sweep cannot separate them"
+        return f"{span}: separated, {self.a} ahead of {self.b}"
 
 
 @record
@@ -135,13 +136,14 @@ class SweepLaw:
         return interval([r[5 + self.archs.index(arch)] for r in self.bootstrap])
 
     def separations(self) -> list[Separation]:
-        """Every pair of archs, in the sweep's order."""
+        """Every pair of archs, each said as the larger multiplier over the smaller."""
         out = []
-        for i, a in enumerate(self.archs):
-            for j in range(i + 1, len(self.archs)):
-                b = self.archs[j]
-                ratios = [r[5 + i] / r[5 + j] for r in self.bootstrap]
-                out.append(Separation(a, b, self.fit.multipliers[a] / self.fit.multipliers[b], interval(ratios)))
+        for i, j in itertools.combinations(range(len(self.archs)), 2):
+            if self.fit.multipliers[self.archs[i]] < self.fit.multipliers[self.archs[j]]:
+                i, j = j, i
+            ratios = [r[5 + i] / r[5 + j] for r in self.bootstrap]
+            a, b = self.archs[i], self.archs[j]
+            out.append(Separation(a, b, self.fit.multipliers[a] / self.fit.multipliers[b], interval(ratios)))
         return out
 
     def compute_multiplier(self, arch: str, budget: float,
@@ -177,14 +179,11 @@ def fit_sweep(sweep: dict[str, Any], budgets: Sequence[float] | None = None,
               samples: int = 100) -> tuple[SweepLaw | None, list[str]]:
     """The joint law over the archs with enough done points (at `budgets` only, when given), and a line for
     each arch left out; None when none can be fitted. The reference arch is dense when the sweep has it."""
-    obs, skipped = observations(sweep, budgets), []
-    archs = [a for a in sweep["settings"]["archs"] if a in {o.arch for o in obs}]
-    for arch in sweep["settings"]["archs"]:
-        have = sum(o.arch == arch for o in obs)
-        if have < MIN_POINTS_PER_ARCH:
-            skipped.append(f"{arch}: {have} points trained, an arch needs {MIN_POINTS_PER_ARCH}")
-    archs = [a for a in archs if sum(o.arch == a for o in obs) >= MIN_POINTS_PER_ARCH]
-    archs.sort(key=lambda a: a != "dense")
+    obs = observations(sweep, budgets)
+    counts = {arch: sum(o.arch == arch for o in obs) for arch in sweep["settings"]["archs"]}
+    skipped = [f"{arch}: {n} points trained, an arch needs {MIN_POINTS_PER_ARCH}" for arch, n in counts.items()
+               if n < MIN_POINTS_PER_ARCH]
+    archs = sorted((a for a, n in counts.items() if n >= MIN_POINTS_PER_ARCH), key=lambda a: a != "dense")
     obs = [o for o in obs if o.arch in archs]
     need = MIN_POINTS + len(archs) - 1
     if not archs:

@@ -60,10 +60,14 @@ def test_the_joint_fit_recovers_each_arch_s_multiplier_and_the_shared_exponents(
 
 
 def test_separated_pairs_are_said_and_a_tie_is_called_a_tie(law):
-    pairs = {(s.a, s.b): s for s in law.separations()}
-    assert pairs[("dense", "moe")].separated and "moe ahead of dense" in pairs[("dense", "moe")].words()
-    assert pairs[("dense", "mod")].separated and "dense ahead of mod" in pairs[("dense", "mod")].words()
-    tie = pairs[("dense", "hybrid")]
+    pairs = {frozenset((s.a, s.b)): s for s in law.separations()}
+    assert len(pairs) == 6 and all(s.ratio >= 1.0 for s in pairs.values())
+    moe = pairs[frozenset(("dense", "moe"))]
+    assert moe.separated and moe.words().startswith("moe = 1.") and "separated, moe ahead of dense" in moe.words()
+    assert moe.ratio == pytest.approx(1.8, rel=0.1) and moe.band[0] > 1.0
+    mod = pairs[frozenset(("dense", "mod"))]
+    assert mod.separated and (mod.a, mod.b) == ("dense", "mod") and mod.ratio == pytest.approx(1.25, rel=0.1)
+    tie = pairs[frozenset(("dense", "hybrid"))]
     assert not tie.separated and "a tie" in tie.words()
     assert tie.band[0] < 1.0 < tie.band[1]
 
