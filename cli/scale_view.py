@@ -77,7 +77,10 @@ def law_table(law: Any) -> Table:
     for column in ("coefficient", "fit", "5-95%", "seed spread (log-loss sd)"):
         t.add_column(column, justify="left" if column == "coefficient" else "right")
     for i, name in ((0, "E"), (1, "A"), (3, "alpha"), (2, "B"), (4, "beta")):
-        t.add_row(name, f"{f.coefficients[i]:.3g}", _interval([b[i] for b in boot]) if boot else "", "")
+        t.add_row(name, f"{f.coefficients[i]:.3g}", _interval([b.coefficients[i] for b in boot]) if boot else "", "")
+    if f.repeat_decay is not None:
+        t.add_row("R_D*", f"{f.repeat_decay:.3g}", _interval([b.repeat_decay for b in boot]) if boot else "",
+                  f"repeats of {f.unique_tokens:,.0f} tokens")
     for arch, k in f.multipliers.items():
         lo, hi = law.multiplier_band(arch)
         spread = law.seed_spread(arch)

@@ -31,6 +31,9 @@ E_STARTS = (-1.0, 0.5, 1.5)
 LOG_COEFF_STARTS = (0.0, 8.0, 20.0)
 BOUNDS = [(-20.0, 60.0), (-20.0, 60.0), (-10.0, 5.0), (1e-3, 4.0), (1e-3, 4.0)]  # a, b, e, alpha, beta
 LOG_MULTIPLIER_BOUNDS = (-6.0, 6.0)  # an arch worth 1/400 to 400 times the reference's parameters
+LOG_DECAY_BOUNDS = (math.log(0.05), math.log(500.0))  # R_D*: repeats worth nothing after a twentieth of an epoch ..
+# worth almost fresh data
+DECAY_STARTS = (15.387756, 2.0)  # Muennighoff et al.'s fit (quality/repeated_data.R_D_STAR), and a fast decay
 MIN_POINTS = 5  # five coefficients
 MIN_POINTS_PER_ARCH = 3  # a multiplier, and a check of the shared shape
 # the Huber loss of log-loss residuals has gradients of ~1e-3 at most: scipy's default gtol (1e-5) stops far from
@@ -47,13 +50,25 @@ class Fit:
     beta: float
     rmse_log: float  # root mean square of log(predicted) - log(measured)
     points: int
+    unique_tokens: float | None = None  # the corpus's training tokens, when the sweep repeated them
+    repeat_decay: float | None = None  # R_D*, fitted: repeats beyond the first epoch are worth less (effective_tokens)
 
     @property
     def coefficients(self) -> tuple[float, float, float, float, float]:
         return (self.E, self.A, self.B, self.alpha, self.beta)
 
     def loss(self, n: float, d: float) -> float:
-        return law_loss(self.coefficients, n, d)
+        return law_loss(self.coefficients, n, effective_tokens(d, self.unique_tokens, self.repeat_decay))
+
+
+def effective_tokens(d, unique: float | None, decay: float | None):
+    """Muennighoff et al. 2023's effective data: U + U R_D* (1 - exp(-(D/U - 1) / R_D*)) past one epoch of U unique
+    tokens (scalars or arrays); D itself without a decay."""
+    if unique is None or decay is None:
+        return d
+    repeats = np.maximum(np.asarray(d, dtype=float) / unique - 1.0, 0.0)
+    out = np.where(repeats > 0, unique * (1.0 + decay * -np.expm1(-repeats / decay)), d)
+    return float(out) if np.ndim(out) == 0 else out
 
 
 def law_loss(coefficients: tuple[float, ...], n: float, d: float) -> float:
@@ -62,10 +77,20 @@ def law_loss(coefficients: tuple[float, ...], n: float, d: float) -> float:
     return e + a / n**alpha + b / d**beta
 
 
-def _objective(theta: np.ndarray, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray,
-               group: np.ndarray) -> tuple[float, np.ndarray]:
-    """The Huber loss of the log-loss residuals and its gradient; theta = (a, b, e, alpha, beta, log k_1, ...),
-    `group` each point's arch (0: the reference, multiplier 1), whose N counts k times."""
+def _objective(theta: np.ndarray, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray, group: np.ndarray,
+               unique: float | None = None) -> tuple[float, np.ndarray]:
+    """The Huber loss of the log-loss residuals and its gradient; theta = (a, b, e, alpha, beta, log k_1, ...,
+    [log R_D*]), `group` each point's arch (0: the reference, multiplier 1), whose N counts k times. With `unique`
+    the last coefficient is log R_D*, and y (log D) becomes the log of the effective tokens."""
+    dy = None
+    if unique is not None:
+        theta, decay = theta[:-1], math.exp(theta[-1])
+        repeats = np.maximum(np.exp(y) / unique - 1.0, 0.0)
+        fade = np.exp(-repeats / decay)
+        effective = unique * (1.0 + decay * (1.0 - fade))
+        # d log D' / d log R_D*, zero within the first epoch
+        dy = np.where(repeats > 0, unique * decay * ((1.0 - fade) - repeats / decay * fade) / effective, 0.0)
+        y = np.where(repeats > 0, np.log(effective), y)
     a, b, e, alpha, beta = theta[:5]
     log_k = np.concatenate([[0.0], theta[5:]])
     xe = x + log_k[group]  # log of the effective parameters
@@ -82,7 +107,10 @@ def _objective(theta: np.ndarray, x: np.ndarray, y: np.ndarray, log_loss: np.nda
     grad = np.array([(dr * weights[0]).sum(), (dr * weights[1]).sum(), (dr * weights[2]).sum(),
                      -(dr * weights[0] * xe).sum(), -(dr * weights[1] * y).sum()])
     by_arch = np.bincount(group, weights=-alpha * dr * weights[0], minlength=len(log_k))[1:]
-    return float(value), np.concatenate([grad, by_arch])
+    grad = np.concatenate([grad, by_arch])
+    if dy is not None:
+        grad = np.append(grad, -(beta * dr * weights[1] * dy).sum())
+    return float(value), grad
 
 
 def _starts(extra: int = 0) -> list[np.ndarray]:
@@ -92,14 +120,15 @@ def _starts(extra: int = 0) -> list[np.ndarray]:
 
 
 def _best(x: np.ndarray, y: np.ndarray, log_loss: np.ndarray, group: np.ndarray,
-          starts: list[np.ndarray]) -> np.ndarray:
+          starts: list[np.ndarray], unique: float | None = None) -> np.ndarray:
     from scipy.optimize import minimize
 
-    bounds = BOUNDS + [LOG_MULTIPLIER_BOUNDS] * (len(starts[0]) - len(BOUNDS))
+    extra = len(starts[0]) - len(BOUNDS) - (unique is not None)
+    bounds = BOUNDS + [LOG_MULTIPLIER_BOUNDS] * extra + ([LOG_DECAY_BOUNDS] if unique is not None else [])
     best, best_value = None, math.inf
     for theta0 in starts:
-        res = minimize(_objective, theta0, args=(x, y, log_loss, group), jac=True, method="L-BFGS-B", bounds=bounds,
-                       options=TOLERANCES)
+        res = minimize(_objective, theta0, args=(x, y, log_loss, group, unique), jac=True, method="L-BFGS-B",
+                       bounds=bounds, options=TOLERANCES)
         if np.all(np.isfinite(res.x)) and res.fun < best_value:
             best, best_value = res.x, res.fun
     assert best is not None, "every start failed"
@@ -142,7 +171,7 @@ def bootstrap(params: list[float], tokens: list[float], losses: list[float], fit
     x, y, log_loss = _arrays(params, tokens, losses)
     rng = np.random.default_rng(seed)
     group = np.zeros(len(x), dtype=int)
-    starts = [_theta(fit.coefficients, ()), *_starts()[::54]]  # the full fit, and 2 more of the grid
+    starts = [_theta(fit), *_starts()[::54]]  # the full fit, and 2 more of the grid
     out = []
     while len(out) < samples:
         pick = rng.integers(0, len(x), len(x))
@@ -152,20 +181,16 @@ def bootstrap(params: list[float], tokens: list[float], losses: list[float], fit
     return out
 
 
-def _theta(coefficients: tuple[float, ...], multipliers: tuple[float, ...]) -> np.ndarray:
-    e, a, b, alpha, beta = coefficients
-    return np.array([math.log(a), math.log(b), math.log(e), alpha, beta, *(math.log(k) for k in multipliers)])
-
-
 # --------------------------------------------------------------------------------------------------------------
 # One law across architectures: shared E, A, B, alpha, beta, and a multiplier per arch on its effective parameters
 
 
 @record
 class JointFit:
-    """L_arch(N, D) = E + A / (k_arch N)^alpha + B / D^beta, k of the reference arch 1 (Clark et al. 2022's
+    """L_arch(N, D) = E + A / (k_arch N)^alpha + B / D'^beta, k of the reference arch 1 (Clark et al. 2022's
     effective parameter count). At C = 6 N D, k_arch N parameters on D tokens is the reference arch on k_arch
-    times the compute, so k is also the arch's compute multiplier at the compute-optimal split."""
+    times the compute. D' is D, or past one epoch of the corpus's U unique tokens Muennighoff et al. 2023's
+    effective data with R_D* fitted on the sweep (a small corpus is repeated many times at a sweep's budgets)."""
 
     E: float
     A: float
@@ -176,6 +201,8 @@ class JointFit:
     reference: str
     rmse_log: float
     points: int
+    unique_tokens: float | None = None
+    repeat_decay: float | None = None  # R_D*, fitted when some point repeated the corpus
 
     @property
     def coefficients(self) -> tuple[float, float, float, float, float]:
@@ -184,7 +211,7 @@ class JointFit:
     def for_arch(self, arch: str) -> Fit:
         """The arch's own Hoffmann-form law: its multiplier folded into A (A / (k N)^alpha = A k^-alpha / N^alpha)."""
         return Fit(self.E, self.A * self.multipliers[arch] ** -self.alpha, self.B, self.alpha, self.beta,
-                   self.rmse_log, self.points)
+                   self.rmse_log, self.points, self.unique_tokens, self.repeat_decay)
 
     def loss(self, arch: str, n: float, d: float) -> float:
         return self.for_arch(arch).loss(n, d)
@@ -217,41 +244,56 @@ def _joint_arrays(obs: list[Observation], archs: tuple[str, ...]) -> tuple[np.nd
     return x, y, log_loss, group
 
 
-def _joint(theta: np.ndarray, archs: tuple[str, ...], obs: list[Observation], x: np.ndarray, y: np.ndarray,
-           log_loss: np.ndarray, group: np.ndarray) -> JointFit:
-    coefficients, ks = _coefficients(theta)
-    k = np.array([1.0, *ks])
-    rmse = _rmse(coefficients, np.exp(x) * k[group], np.exp(y), log_loss)
-    return JointFit(*coefficients, multipliers=dict(zip(archs, (1.0, *ks))), reference=archs[0], rmse_log=rmse,
-                    points=len(obs))
+def _as_joint(theta: np.ndarray, archs: tuple[str, ...], x: np.ndarray, y: np.ndarray, log_loss: np.ndarray,
+              group: np.ndarray, unique: float | None) -> JointFit:
+    decay = math.exp(float(theta[-1])) if unique is not None else None
+    coefficients, ks = _coefficients(theta[:-1] if unique is not None else theta)
+    fit = JointFit(*coefficients, multipliers=dict(zip(archs, (1.0, *ks))), reference=archs[0], rmse_log=0.0,
+                   points=len(x), unique_tokens=unique, repeat_decay=decay)
+    predicted = [fit.loss(archs[g], math.exp(n), math.exp(d)) for n, d, g in zip(x, y, group)]
+    return JointFit(**{**fit.__dict__, "rmse_log": float(np.sqrt(np.mean((np.log(predicted) - log_loss) ** 2)))})
 
 
-def fit_joint(obs: list[Observation], archs: tuple[str, ...]) -> JointFit:
-    """The joint law over `obs` (the mean of each point's seeds); archs[0] is the reference (multiplier 1)."""
+def _repeats(obs: list[Observation], unique_tokens: float | None) -> float | None:
+    """U when some point trained past one epoch of it (R_D* is then fitted), else None (D is D)."""
+    return unique_tokens if unique_tokens is not None and any(o.tokens > unique_tokens for o in obs) else None
+
+
+def _theta(fit: Fit | JointFit, multipliers: tuple[float, ...] = ()) -> np.ndarray:
+    e, a, b, alpha, beta = fit.coefficients
+    decay = [math.log(fit.repeat_decay)] if fit.repeat_decay is not None else []
+    return np.array([math.log(a), math.log(b), math.log(e), alpha, beta, *(math.log(k) for k in multipliers), *decay])
+
+
+def fit_joint(obs: list[Observation], archs: tuple[str, ...], unique_tokens: float | None = None) -> JointFit:
+    """The joint law over `obs` (the mean of each point's seeds); archs[0] is the reference (multiplier 1).
+    `unique_tokens`: the corpus's training tokens; R_D* is fitted when a point trained past them."""
     x, y, log_loss, group = _joint_arrays(obs, archs)
-    theta = _best(x, y, log_loss, group, _starts(len(archs) - 1))
-    return _joint(theta, archs, obs, x, y, log_loss, group)
+    unique = _repeats(obs, unique_tokens)
+    grid = _starts(len(archs) - 1)
+    starts = grid if unique is None else [np.append(t, math.log(r)) for r in DECAY_STARTS for t in grid]
+    return _as_joint(_best(x, y, log_loss, group, starts, unique), archs, x, y, log_loss, group, unique)
 
 
-def bootstrap_joint(obs: list[Observation], fit: JointFit, samples: int = 100,
-                    seed: int = 0) -> list[tuple[float, ...]]:
+def bootstrap_joint(obs: list[Observation], fit: JointFit, samples: int = 100, seed: int = 0) -> list[JointFit]:
     """Refits on resamplings: each arch's points drawn with replacement among its own (every arch keeps its
-    count), and each point's loss the mean of its seeds drawn with replacement (the seed spread enters the band).
-    Each refit is (E, A, B, alpha, beta, k per arch in fit.multipliers' order)."""
+    count), and each point's loss the mean of its seeds drawn with replacement (the seed spread enters the band)."""
     archs = tuple(fit.multipliers)
     x, y, _, group = _joint_arrays(obs, archs)
+    unique = fit.unique_tokens if fit.repeat_decay is not None else None
     rng = np.random.default_rng(seed)
     by_arch = [np.flatnonzero(group == i) for i in range(len(archs))]
-    starts = [_theta(fit.coefficients, tuple(fit.multipliers.values())[1:]), *_starts(len(archs) - 1)[::54]]
+    grid = _starts(len(archs) - 1)[::54]
+    starts = [_theta(fit, tuple(fit.multipliers.values())[1:]),
+              *(grid if unique is None else [np.append(t, math.log(DECAY_STARTS[0])) for t in grid])]
     out = []
     while len(out) < samples:
         pick = np.concatenate([rng.choice(idx, len(idx)) for idx in by_arch])
         if any(len(set(pick[group[pick] == i].tolist())) < 2 for i in range(len(archs))):
             continue  # an arch on one distinct point says nothing about its multiplier
         log_loss = np.log([np.mean(rng.choice(obs[i].losses, len(obs[i].losses))) for i in pick])
-        theta = _best(x[pick], y[pick], log_loss, group[pick], starts)
-        coefficients, ks = _coefficients(theta)
-        out.append((*coefficients, 1.0, *ks))
+        theta = _best(x[pick], y[pick], log_loss, group[pick], starts, unique)
+        out.append(_as_joint(theta, archs, x[pick], y[pick], log_loss, group[pick], unique))
     return out
 
 
@@ -260,5 +302,5 @@ def interval(values: list[float], low: float = 0.05, high: float = 0.95) -> tupl
     return float(np.quantile(values, low)), float(np.quantile(values, high))
 
 
-__all__ = ["Fit", "HUBER_DELTA", "JointFit", "N_DEFINITION", "Observation", "bootstrap", "bootstrap_joint", "fit_joint",
-           "fit_law", "interval", "law_loss"]
+__all__ = ["Fit", "HUBER_DELTA", "JointFit", "N_DEFINITION", "Observation", "bootstrap", "bootstrap_joint",
+           "effective_tokens", "fit_joint", "fit_law", "interval", "law_loss"]

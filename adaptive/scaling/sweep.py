@@ -119,7 +119,7 @@ class SweepLaw:
     """The joint law fitted on a sweep, its bootstrap refits, and the points it saw (each the mean of its seeds)."""
 
     fit: JointFit
-    bootstrap: list[tuple[float, ...]]  # (E, A, B, alpha, beta, k per arch in fit.multipliers' order)
+    bootstrap: list[JointFit]
     observations: list[Observation]
     budgets: tuple[float, ...]  # the budgets it was fitted on
 
@@ -129,21 +129,20 @@ class SweepLaw:
 
     def refit(self, i: int, arch: str) -> Fit:
         """Refit i as `arch`'s own law."""
-        e, a, b, alpha, beta, *ks = self.bootstrap[i]
-        return Fit(e, a * ks[self.archs.index(arch)] ** -alpha, b, alpha, beta, 0.0, self.fit.points)
+        return self.bootstrap[i].for_arch(arch)
 
     def multiplier_band(self, arch: str) -> tuple[float, float]:
-        return interval([r[5 + self.archs.index(arch)] for r in self.bootstrap])
+        return interval([r.multipliers[arch] for r in self.bootstrap])
 
     def separations(self) -> list[Separation]:
         """Every pair of archs, each said as the larger multiplier over the smaller."""
         out = []
-        for i, j in itertools.combinations(range(len(self.archs)), 2):
-            if self.fit.multipliers[self.archs[i]] < self.fit.multipliers[self.archs[j]]:
-                i, j = j, i
-            ratios = [r[5 + i] / r[5 + j] for r in self.bootstrap]
-            a, b = self.archs[i], self.archs[j]
-            out.append(Separation(a, b, self.fit.multipliers[a] / self.fit.multipliers[b], interval(ratios)))
+        k = self.fit.multipliers
+        for a, b in itertools.combinations(self.archs, 2):
+            if k[a] < k[b]:
+                a, b = b, a
+            ratios = [r.multipliers[a] / r.multipliers[b] for r in self.bootstrap]
+            out.append(Separation(a, b, k[a] / k[b], interval(ratios)))
         return out
 
     def compute_multiplier(self, arch: str, budget: float,
@@ -175,10 +174,28 @@ def observations(sweep: dict[str, Any], budgets: Sequence[float] | None = None) 
             for (arch, _, _), ps in by_shape.items()]
 
 
-def fit_sweep(sweep: dict[str, Any], budgets: Sequence[float] | None = None,
-              samples: int = 100) -> tuple[SweepLaw | None, list[str]]:
+def corpus_tokens(settings: SweepSettings) -> int:
+    """The training tokens a point's run sees in one epoch: the corpus tokenized and packed as the recipe does
+    (local data is map-style: every block once per epoch), without the eval blocks."""
+    from adaptive.train.data.packing import build_datasets
+    from adaptive.train.data.sources import DataConfig
+    from adaptive.train.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(settings.tokenizer, settings.vocab_size)
+    dataset = None if settings.dataset == "builtin" else settings.dataset
+    train, _ = build_datasets(DataConfig(dataset=dataset, seq_len=settings.seq_len, seed=settings.seed,
+                                         text_field=settings.text_field), tokenizer)
+    return train.num_blocks * settings.seq_len
+
+
+def fit_sweep(sweep: dict[str, Any], budgets: Sequence[float] | None = None, samples: int = 100,
+              unique_tokens: float | None = None) -> tuple[SweepLaw | None, list[str]]:
     """The joint law over the archs with enough done points (at `budgets` only, when given), and a line for
-    each arch left out; None when none can be fitted. The reference arch is dense when the sweep has it."""
+    each arch left out; None when none can be fitted. The reference arch is dense when the sweep has it.
+    `unique_tokens`: the corpus's training tokens (default: what sweep.json recorded); past them, repeats count
+    as Muennighoff et al.'s effective data, with R_D* fitted."""
+    if unique_tokens is None:
+        unique_tokens = sweep.get("unique_tokens")
     obs = observations(sweep, budgets)
     counts = {arch: sum(o.arch == arch for o in obs) for arch in sweep["settings"]["archs"]}
     skipped = [f"{arch}: {n} points trained, an arch needs {MIN_POINTS_PER_ARCH}" for arch, n in counts.items()
@@ -190,7 +207,7 @@ def fit_sweep(sweep: dict[str, Any], budgets: Sequence[float] | None = None,
         return None, skipped
     if len(obs) < need:
         return None, [*skipped, f"{'+'.join(archs)}: {len(obs)} points trained, a law needs {need}"]
-    fit = fit_joint(obs, tuple(archs))
+    fit = fit_joint(obs, tuple(archs), unique_tokens)
     fitted_budgets = tuple(sorted({p["budget"] for p in state.results(sweep) if p["arch"] in archs
                                    and (budgets is None or p["budget"] in budgets)}))
     return SweepLaw(fit, bootstrap_joint(obs, fit, samples=samples), obs, fitted_budgets), skipped
@@ -214,8 +231,9 @@ def law_json(name: str, settings: SweepSettings, law: SweepLaw) -> dict[str, Any
         archs[arch] = arch_dict(f.multipliers[arch], (min(o.params for o in mine), max(o.params for o in mine)),
                                 (min(o.tokens for o in mine), max(o.tokens for o in mine)), len(mine),
                                 max(len(o.losses) for o in mine), law.seed_spread(arch))
-    refits = [refit_dict(r[:5], dict(zip(law.archs, r[5:]))) for r in law.bootstrap]
-    return file_dict(name, source, fitted_on, f.reference, law_dict(f.coefficients, N_DEFINITION, f.points, f.rmse_log),
+    refits = [refit_dict(r.coefficients, r.multipliers, r.repeat_decay) for r in law.bootstrap]
+    return file_dict(name, source, fitted_on, f.reference,
+                     law_dict(f.coefficients, N_DEFINITION, f.points, f.rmse_log, f.unique_tokens, f.repeat_decay),
                      archs, refits)
 
 
@@ -235,6 +253,13 @@ def write_outputs(out: Path, sweep: dict[str, Any], law: SweepLaw | None,
     return law_path, plot_path
 
 
+def record_corpus_tokens(out: Path, sweep: dict[str, Any]) -> None:
+    """sweep.json's unique_tokens (the corpus's training tokens), counted once."""
+    if sweep.get("unique_tokens") is None:
+        sweep["unique_tokens"] = corpus_tokens(SweepSettings.from_dict(sweep["settings"]))
+        state.save(out, sweep)
+
+
 @record
 class Scaled:
     """What `adaptive scale` did: the sweep, the laws, what it wrote, and the archs it could not fit."""
@@ -250,6 +275,7 @@ def scale(settings: SweepSettings, out: Path, events: Events | None = None, jobs
           samples: int = 100) -> Scaled:
     """The sweep (continued), the laws fitted on it, law.json and isoflop.png."""
     sweep = run_sweep(settings, out, events, jobs)
+    record_corpus_tokens(out, sweep)
     law, skipped = fit_sweep(sweep, samples=samples)
     law_path, plot_path = write_outputs(out, sweep, law)
     assert law is not None  # write_outputs refuses None
@@ -257,4 +283,5 @@ def scale(settings: SweepSettings, out: Path, events: Events | None = None, jobs
 
 
 __all__ = ["BUILTIN_VOCAB", "Events", "LAW_FILE", "PLOT_FILE", "POINTS_DIR", "Scaled", "Separation", "SweepLaw",
-           "fit_sweep", "law_json", "observations", "run_sweep", "scale", "write_outputs"]
+           "corpus_tokens", "fit_sweep", "law_json", "observations", "record_corpus_tokens", "run_sweep", "scale",
+           "write_outputs"]

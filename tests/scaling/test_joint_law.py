@@ -142,3 +142,45 @@ def test_the_compute_multiplier_is_the_reference_s_compute_for_the_same_best_los
     reached = optimum(law.fit.for_arch("moe"), 1e13, cands["moe"]).loss
     assert optimum(dense, m * 1e13, cands["dense"]).loss == pytest.approx(reached, rel=1e-6)
     assert law.compute_multiplier("mod", 1e13, cands)[0] < 1.0  # k 0.8: worth less compute than it spends
+
+
+def test_a_repeated_corpus_fits_its_own_repeat_decay_and_predicts_past_it():
+    """Points drawn past one epoch of U unique tokens, repeats decaying with R_D* = 3 (a small corpus on tiny
+    models; Muennighoff et al.'s 15.4 is their large-scale fit): the fit finds the decay, and the held-out budget's
+    losses come out right only with it."""
+    from adaptive.scaling.fit_law import effective_tokens
+
+    unique, decay = 4e6, 3.0
+    rng = np.random.default_rng(5)
+
+    def loss(arch, n, d):
+        return true_loss(arch, n, effective_tokens(d, unique, decay))
+
+    def points(budgets):
+        return [Observation(arch, n, c / (6 * n), (loss(arch, n, c / (6 * n)) * math.exp(rng.normal(0, 0.002)),))
+                for arch in ("dense", "moe") for c in budgets for n in SIZES]
+
+    fitted = points((3e12, 1e13, 3e13))  # 0.3 to 31 epochs
+    assert any(o.tokens > 4 * unique for o in fitted)
+    with_decay = fit_joint(fitted, ("dense", "moe"), unique_tokens=unique)
+    assert with_decay.repeat_decay == pytest.approx(decay, rel=0.35) and with_decay.unique_tokens == unique
+    without = fit_joint(fitted, ("dense", "moe"))
+    assert without.repeat_decay is None
+    held = points((1e14,))
+    errors = {name: max(abs(f.loss(o.arch, o.params, o.tokens) / o.loss - 1) for o in held)
+              for name, f in (("with", with_decay), ("without", without))}
+    assert errors["with"] < 0.01 < errors["without"]
+    assert fit_joint(fitted, ("dense", "moe"), unique_tokens=1e15).repeat_decay is None  # nothing repeated
+
+
+def test_one_run_s_scatter_widens_a_paired_gap_into_a_tie():
+    """Paired refits alone separate a 0.5% gap; the law's residual of 0.5% per run says two runs could show either
+    order."""
+    a = [3.00 + 0.001 * i for i in range(20)]
+    b = [x * 1.005 for x in a]
+    sure = compare_losses("a", 3.0, (2.9, 3.1), a, "b", 3.015, (2.9, 3.1), b)
+    assert not sure.tie and sure.lower == "a" and sure.band[0] > 0
+    noisy = compare_losses("a", 3.0, (2.9, 3.1), a, "b", 3.015, (2.9, 3.1), b, residual=0.005)
+    assert noisy.tie and noisy.band[0] < 0 < noisy.band[1] and "tie" in noisy.words()
+    half_width = 1.645 * math.sqrt(2) * 0.005
+    assert noisy.band[1] - noisy.gap == pytest.approx(math.hypot(sure.band[1] - sure.gap, half_width))

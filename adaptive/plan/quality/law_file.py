@@ -7,7 +7,7 @@ before use: a missing or non-finite field is one line naming it.
     {"format": "adaptive-loss-law", "version": 2, "name": ..., "source": ..., "fitted_on": ...,
      "reference": "dense",
      "law": {"E": ..., "A": ..., "B": ..., "alpha": ..., "beta": ..., "n_definition": "active", "points": 36,
-             "rmse_log": 0.004},
+             "rmse_log": 0.004, "unique_tokens": 1.2e5, "repeat_decay": 2.3},
      "archs": {"dense": {"multiplier": 1.0, "params_range": [lo, hi], "tokens_range": [lo, hi], "points": 9,
                          "seeds": 1, "seed_spread": 0.0}, "moe": {...}},
      "bootstrap": [{"E": ..., "A": ..., "B": ..., "alpha": ..., "beta": ..., "multipliers": {"dense": 1.0, ...}}]}
@@ -68,6 +68,8 @@ def _schema() -> type:
         n_definition: Literal[N_DEFINITIONS] = N_ACTIVE  # type: ignore[valid-type]
         points: Annotated[int, Field(ge=1)] = 1
         rmse_log: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+        unique_tokens: positive | None = None  # the sweep's corpus, when its points repeated it
+        repeat_decay: positive | None = None  # R_D*, fitted on those repeats
 
     class Arch(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -88,6 +90,7 @@ def _schema() -> type:
 
     class Refit(Shared):
         multipliers: dict[arch_key, positive]
+        repeat_decay: positive | None = None
 
     class File(BaseModel):
         model_config = ConfigDict(extra="allow")
@@ -120,7 +123,7 @@ def _law(arch: str, f: Any, shared: Any, multiplier: float) -> DenseLaw:
     return DenseLaw(name=f"{f.name}:{arch}", E=shared.E, A=shared.A * multiplier ** -shared.alpha, B=shared.B,
                     alpha=shared.alpha, beta=shared.beta, source=f.source, fitted_on=f.fitted_on,
                     n_definition=f.law.n_definition, params_range=tuple(a.params_range),
-                    tokens_range=tuple(a.tokens_range))
+                    tokens_range=tuple(a.tokens_range), repeat_decay=shared.repeat_decay)
 
 
 def load(path: str | Path) -> FittedLaws:
@@ -163,10 +166,11 @@ def file_dict(name: str, source: str, fitted_on: str, reference: str, law: dict,
             "reference": reference, "law": law, "archs": archs, "bootstrap": bootstrap}
 
 
-def law_dict(coefficients: tuple[float, ...], n_definition: str, points: int, rmse_log: float) -> dict:
+def law_dict(coefficients: tuple[float, ...], n_definition: str, points: int, rmse_log: float,
+             unique_tokens: float | None = None, repeat_decay: float | None = None) -> dict:
     e, a, b, alpha, beta = coefficients
     return {"E": e, "A": a, "B": b, "alpha": alpha, "beta": beta, "n_definition": n_definition, "points": points,
-            "rmse_log": rmse_log}
+            "rmse_log": rmse_log, "unique_tokens": unique_tokens, "repeat_decay": repeat_decay}
 
 
 def arch_dict(multiplier: float, params_range: tuple[float, float], tokens_range: tuple[float, float], points: int,
@@ -175,6 +179,7 @@ def arch_dict(multiplier: float, params_range: tuple[float, float], tokens_range
             "points": points, "seeds": seeds, "seed_spread": seed_spread}
 
 
-def refit_dict(coefficients: tuple[float, ...], multipliers: dict[str, float]) -> dict:
+def refit_dict(coefficients: tuple[float, ...], multipliers: dict[str, float], repeat_decay: float | None = None) -> dict:
     e, a, b, alpha, beta = coefficients
-    return {"E": e, "A": a, "B": b, "alpha": alpha, "beta": beta, "multipliers": multipliers}
+    return {"E": e, "A": a, "B": b, "alpha": alpha, "beta": beta, "multipliers": multipliers,
+            "repeat_decay": repeat_decay}

@@ -33,6 +33,7 @@ class DenseLaw:
     n_definition: str = N_TOTAL
     params_range: tuple[float, float] = (0.0, math.inf)  # N the fit saw
     tokens_range: tuple[float, float] = (0.0, math.inf)  # D the fit saw
+    repeat_decay: float | None = None  # R_D* fitted with the law (a law.json); None: Muennighoff et al.'s
 
     def loss(self, n: float, d: float) -> float:
         return self.E + self.A / n**self.alpha + self.B / d**self.beta

@@ -62,6 +62,7 @@ class Quality:
     notes: tuple[str, ...] = ()
     samples: tuple[float, ...] = ()  # the loss under each bootstrap refit of a fitted law, in refit order (ranking.py)
     refits_of: str = ""  # the law.json the samples' refits come from: two Qualities of one file pair up
+    residual: float = 0.0  # that law's rmse of log-loss around its points (ranking.py: the scatter of one run)
 
     @property
     def perplexity(self) -> float:
@@ -116,7 +117,7 @@ def moe_ratio(spec: ModelSpec, n_active: float, tokens: float, experts: float | 
 def _dense_loss(law: DenseLaw, counts: ParamCounts, tokens: float, unique: float | None) -> float:
     repeated = unique if unique is not None and tokens > unique else None  # one epoch or less: the law as fitted
     n = repeated_data.effective_params(law, counted_params(counts, law.n_definition), repeated)
-    return law.loss(n, repeated_data.effective_tokens(tokens, unique))
+    return law.loss(n, repeated_data.effective_tokens(tokens, unique, law.repeat_decay))
 
 
 def _with_effects(law: DenseLaw, spec: ModelSpec, counts: ParamCounts, tokens: float, unique: float | None,
@@ -150,9 +151,11 @@ def predict(spec: ModelSpec, counts: ParamCounts, tokens: float, model: LossMode
     model = model or resolve_law(None)
     notes: list[str] = []
     if unique_tokens is not None and tokens > unique_tokens:
-        eff = repeated_data.effective_tokens(tokens, unique_tokens)
+        decay = model.dense.repeat_decay
+        eff = repeated_data.effective_tokens(tokens, unique_tokens, decay)
+        how = f"R_D* {decay:.3g} fitted on your sweep" if decay is not None else "their R_D*"
         notes.append(f"{tokens / unique_tokens:.1f} epochs over {unique_tokens:.3g} unique tokens count as "
-                     f"{eff:.3g} fresh ones ({repeated_data.SOURCE})")
+                     f"{eff:.3g} fresh ones ({repeated_data.SOURCE}; {how})")
     fitted = model.fitted
     if fitted is not None and spec.arch in fitted.laws:
         return _predict_fitted(fitted, spec, counts, tokens, unique_tokens, notes)
@@ -200,7 +203,8 @@ def predict(spec: ModelSpec, counts: ParamCounts, tokens: float, model: LossMode
                    n_definition=n_definition, tokens=tokens,
                    effective_tokens=repeated_data.effective_tokens(tokens * fraction, unique_tokens),
                    unique_tokens=unique_tokens, notes=tuple(notes), samples=samples,
-                   refits_of=fitted.path if fitted is not None else "")
+                   refits_of=fitted.path if fitted is not None else "",
+                   residual=fitted.rmse_log if fitted is not None else 0.0)
 
 
 def multiplier_note(fitted: FittedLaws, arch: str) -> str:
@@ -238,8 +242,9 @@ def _predict_fitted(fitted: FittedLaws, spec: ModelSpec, counts: ParamCounts, to
     return Quality(predicted_loss=center, band=_band(center, lo, hi, extrapolated, residual=0.0), law=law.name,
                    source=fitted.source,
                    kind="fitted on your data", fitted_on=fitted.fitted_on, params=n, n_definition=law.n_definition,
-                   tokens=tokens, effective_tokens=repeated_data.effective_tokens(tokens, unique), unique_tokens=unique,
-                   notes=tuple(notes), samples=samples, refits_of=fitted.path)
+                   tokens=tokens, effective_tokens=repeated_data.effective_tokens(tokens, unique, law.repeat_decay),
+                   unique_tokens=unique,
+                   notes=tuple(notes), samples=samples, refits_of=fitted.path, residual=fitted.rmse_log)
 
 
 def quality_dict(q: Quality) -> dict:

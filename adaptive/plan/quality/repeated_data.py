@@ -25,11 +25,12 @@ def _decayed(unique: float, total: float, star: float) -> float:
     return unique + unique * star * (1.0 - math.exp(-repeats / star))
 
 
-def effective_tokens(tokens: float, unique_tokens: float | None) -> float:
-    """The fresh-data equivalent of training `tokens` on `unique_tokens` (None: unknown, taken as fresh)."""
+def effective_tokens(tokens: float, unique_tokens: float | None, decay: float | None = None) -> float:
+    """The fresh-data equivalent of training `tokens` on `unique_tokens` (None: unknown, taken as fresh), repeats
+    decaying with `decay` (R_D*; None: the authors')."""
     if unique_tokens is None or tokens <= unique_tokens:
         return tokens
-    return _decayed(unique_tokens, tokens, R_D_STAR)
+    return _decayed(unique_tokens, tokens, decay or R_D_STAR)
 
 
 def params_for_data(law: DenseLaw, tokens: float) -> float:

@@ -170,3 +170,20 @@ def test_more_experts_than_the_moe_law_saw_is_said_and_widens_the_band():
     assert any("fitted on 1-32 experts" in n for n in outside.notes)
     width = lambda q: (q.band[1] - q.band[0]) / q.predicted_loss  # noqa: E731
     assert width(outside) > width(inside)
+
+
+def test_a_law_fitted_on_a_repeated_corpus_discounts_a_planned_run_s_repeats_with_its_own_decay(tmp_path):
+    from adaptive.plan.quality import repeated_data
+
+    path = tmp_path / "law.json"
+    archs = {"dense": arch_dict(1.0, (1e5, 2e9), (1e6, 1e11), 9)}
+    law = law_dict((2.0, 300.0, 900.0, 0.3, 0.3), "active", 9, 0.01, unique_tokens=1e6, repeat_decay=2.0)
+    path.write_text(json.dumps(file_dict("mine", "s", "f", "dense", law, archs, [])))
+    spec = preset_spec("b1")
+    c = count_params(spec)
+    q = predict(spec, c, 2e10, resolve_law(str(path)), unique_tokens=2e9)  # 10 epochs of 2B tokens
+    fitted_decay = 2e9 * (1 + 2.0 * (1 - math.exp(-9 / 2.0)))
+    assert q.effective_tokens == pytest.approx(fitted_decay)  # not the published decay's
+    assert fitted_decay < repeated_data.effective_tokens(2e10, 2e9)
+    n = repeated_data.effective_params(resolve_law(str(path)).dense, c.active, 2e9)
+    assert q.predicted_loss == pytest.approx(2.0 + 300 / n**0.3 + 900 / fitted_decay**0.3)
