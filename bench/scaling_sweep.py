@@ -209,13 +209,17 @@ def main() -> int:
         print(f"| {r['arch']} | {k:.3f} ({lo:.3f}-{hi:.3f}) | {r['measured']:.4f} ({r['best_measured']:,.0f}{seeds}) "
               f"| {r['predicted']:.4f} ({r['band'][0]:.4f}-{r['band'][1]:.4f}) ({r['best_predicted']:,.0f}) "
               f"| {r['error_pct']:+.2f}% |")
-    print("\nmultipliers (the fitted budgets):")
-    for sep in law.separations():
-        print(f"- {sep.words()}")
     cands = {a: candidates(a, vocab, args.seq_len) for a in law.archs}
-    for arch in law.archs[1:]:
-        k, (lo, hi) = law.compute_multiplier(arch, top, cands)
-        print(f"- at {top:.3g} FLOPs, {arch} = {k:.2f}x {f.reference} compute ({lo:.2f}-{hi:.2f})")
+    fitted_top = max(b for b in budgets if b != top)
+    print(f"\nwhat each arch's compute is worth (the law; paired bootstrap refits), at the largest fitted budget "
+          f"{fitted_top:.3g} and at the held-out {top:.3g}:")
+    for budget in (fitted_top, top):
+        for arch, m in law.compute_multipliers(budget, cands).items():
+            if arch != f.reference:
+                lo, hi = m.band
+                print(f"- at {budget:.3g} FLOPs, {arch} = {m.value:.2f}x {f.reference} compute ({lo:.2f}-{hi:.2f})")
+        for v in law.verdicts(budget, cands):
+            print(f"- at {budget:.3g} FLOPs (best sizes on the ladder), {v.words()}")
     ref_row = next(r for r in rows if r["arch"] == f.reference)
     n = ref_row["best_measured"]
     d = next(o.tokens for o in observations(sweep, budgets=[top]) if o.arch == f.reference and o.params == n)

@@ -90,19 +90,20 @@ def law_table(law: Any) -> Table:
 
 
 def compute_lines(law: Any, settings: dict[str, Any], budget: float | None = None) -> list[str]:
-    """Each arch's compute multiplier at `budget` (default: the largest fitted), in words."""
+    """What each arch's compute is worth at `budget` (default: the largest fitted), then every pair: which reaches
+    the lower loss there, or a tie, in words."""
     from adaptive.scaling.grid import candidates
 
     budget = budget or max(law.budgets)
     ref = law.fit.reference
     cands = {a: candidates(a, settings["vocab_size"], settings["seq_len"]) for a in law.archs}
     lines = []
-    for arch in law.archs:
+    for arch, m in law.compute_multipliers(budget, cands).items():
         if arch != ref:
-            k, (lo, hi) = law.compute_multiplier(arch, budget, cands)
-            lines.append(f"at {budget:.3g} FLOPs, {arch} = {k:.2f}x {ref} compute ({lo:.2f}-{hi:.2f}): {ref} at its best "
-                         f"size needs {k:.2f}x the FLOPs for the loss {arch} reaches at its best size")
-    return lines
+            lo, hi = m.band
+            lines.append(f"at {budget:.3g} FLOPs, {arch} = {m.value:.2f}x {ref} compute ({lo:.2f}-{hi:.2f}): {ref} at "
+                         f"its best size needs {m.value:.2f}x the FLOPs for the loss {arch} reaches at its best size")
+    return lines + [f"at {budget:.3g} FLOPs, {v.words()}" for v in law.verdicts(budget, cands)]
 
 
 def show_result(done: Scaled) -> None:
@@ -121,8 +122,6 @@ def show_result(done: Scaled) -> None:
     console.print(law_table(done.law))
     for line in compute_lines(done.law, done.sweep["settings"]):
         console.print(line)
-    for pair in done.law.separations():
-        console.print(pair.words())
     for p in state.results(done.sweep, state.DIVERGED):
         console.print(f"[yellow]warning:[/] {p['name']} diverged ({p.get('reason')}); left out of the fit")
     for line in done.skipped:

@@ -29,7 +29,8 @@ from adaptive.record import record
 from adaptive.scaling import state
 from adaptive.scaling.fit_law import (MIN_POINTS, MIN_POINTS_PER_ARCH, N_DEFINITION, Fit, JointFit, Observation,
                                       bootstrap_joint, fit_joint, interval)
-from adaptive.scaling.frontier import compute_multiplier
+from adaptive.plan.quality.ranking import LossComparison, compare_losses
+from adaptive.scaling.frontier import compute_multiplier, optimum
 from adaptive.scaling.grid import Candidate, Point, SweepSettings, candidates, plan_grid
 from adaptive.scaling.runner import Outcome, run_point
 
@@ -94,24 +95,17 @@ def run_sweep(settings: SweepSettings, out: Path, events: Events | None = None, 
 
 
 @record
-class Separation:
-    """Two archs under the joint law: a's multiplier over b's (a the larger), with its bootstrap 5-95%."""
+class ComputeMultiplier:
+    """An arch's compute multiplier at a budget (compute_multiplier): the fit's, and each refit's in refit order."""
 
-    a: str
-    b: str
-    ratio: float
-    band: tuple[float, float]
+    arch: str
+    budget: float
+    value: float
+    refits: tuple[float, ...]
 
     @property
-    def separated(self) -> bool:
-        return self.band[0] > 1.0 or self.band[1] < 1.0
-
-    def words(self) -> str:
-        lo, hi = self.band
-        span = f"{self.a} = {self.ratio:.2f}x {self.b}'s effective parameters ({lo:.2f}-{hi:.2f})"
-        if not self.separated:
-            return f"{span}: a tie, this sweep cannot separate them"
-        return f"{span}: separated, {self.a} ahead of {self.b}"
+    def band(self) -> tuple[float, float]:
+        return interval(list(self.refits))
 
 
 @record
@@ -134,26 +128,31 @@ class SweepLaw:
     def multiplier_band(self, arch: str) -> tuple[float, float]:
         return interval([r.multipliers[arch] for r in self.bootstrap])
 
-    def separations(self) -> list[Separation]:
-        """Every pair of archs, each said as the larger multiplier over the smaller."""
-        out = []
-        k = self.fit.multipliers
-        for a, b in itertools.combinations(self.archs, 2):
-            if k[a] < k[b]:
-                a, b = b, a
-            ratios = [r.multipliers[a] / r.multipliers[b] for r in self.bootstrap]
-            out.append(Separation(a, b, k[a] / k[b], interval(ratios)))
-        return out
-
-    def compute_multiplier(self, arch: str, budget: float,
-                           cands: dict[str, list[Candidate]]) -> tuple[float, tuple[float, float]]:
-        """The compute the reference arch needs for the loss `arch` reaches at `budget` (each at its best size on the
-        ladder `cands`), over `budget`: the fit's and the 5-95% of the refits'."""
+    def compute_multipliers(self, budget: float, cands: dict[str, list[Candidate]]) -> dict[str, ComputeMultiplier]:
+        """Per arch, the compute the reference arch needs for the loss the arch reaches at `budget` (each at its best
+        size on the ladder `cands`), over `budget`: what the arch's compute is worth."""
         ref = self.fit.reference
-        center = compute_multiplier(self.fit.for_arch(arch), cands[arch], self.fit.for_arch(ref), cands[ref], budget)
-        refits = [compute_multiplier(self.refit(i, arch), cands[arch], self.refit(i, ref), cands[ref], budget)
-                  for i in range(len(self.bootstrap))]
-        return center, interval(refits)
+
+        def worth(fit: JointFit, arch: str) -> float:
+            return compute_multiplier(fit.for_arch(arch), cands[arch], fit.for_arch(ref), cands[ref], budget)
+
+        return {arch: ComputeMultiplier(arch, budget, worth(self.fit, arch), tuple(worth(r, arch) for r in self.bootstrap))
+                for arch in self.archs}
+
+    def verdicts(self, budget: float, cands: dict[str, list[Candidate]]) -> list[LossComparison]:
+        """Every pair of archs at `budget`, each at its best size on the ladder `cands`: which reaches the lower loss,
+        or a tie, judged as the planner judges (plan/quality/ranking.py: paired refits, and the scatter one run of
+        each adds, the fit's residual)."""
+        def best(fit: JointFit, arch: str) -> float:
+            return optimum(fit.for_arch(arch), budget, cands[arch]).loss
+
+        losses = {a: (best(self.fit, a), [best(r, a) for r in self.bootstrap]) for a in self.archs}
+        out = []
+        for a, b in itertools.combinations(self.archs, 2):
+            (center_a, refits_a), (center_b, refits_b) = losses[a], losses[b]
+            out.append(compare_losses(a, center_a, interval(refits_a), refits_a, b, center_b, interval(refits_b),
+                                      refits_b, self.fit.rmse_log))
+        return out
 
     def of(self, arch: str) -> list[Observation]:
         return [o for o in self.observations if o.arch == arch]
@@ -282,6 +281,6 @@ def scale(settings: SweepSettings, out: Path, events: Events | None = None, jobs
     return Scaled(sweep, law, skipped, law_path, plot_path)
 
 
-__all__ = ["BUILTIN_VOCAB", "Events", "LAW_FILE", "PLOT_FILE", "POINTS_DIR", "Scaled", "Separation", "SweepLaw",
-           "corpus_tokens", "fit_sweep", "law_json", "observations", "record_corpus_tokens", "run_sweep", "scale",
-           "write_outputs"]
+__all__ = ["BUILTIN_VOCAB", "ComputeMultiplier", "Events", "LAW_FILE", "PLOT_FILE", "POINTS_DIR", "Scaled",
+           "SweepLaw", "corpus_tokens", "fit_sweep", "law_json", "observations", "record_corpus_tokens",
+           "run_sweep", "scale", "write_outputs"]

@@ -87,10 +87,11 @@ def test_a_sweep_with_its_own_tokenizer_and_saved_dataset_writes_a_joint_law_the
             "--bootstrap", "20", "--tokenizer", str(tokenizer), "--dataset", str(saved), "--text-field", "body")
     done = scale(*args, "--jobs", "2", timeout=1200)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "isoFLOP sweep" in done.stdout and "wrote" in done.stdout and "dense vs moe:" in done.stdout
+    assert "isoFLOP sweep" in done.stdout and "wrote" in done.stdout and "effective parameters (" in done.stdout
     law = law_file.load(out / "law.json")
     assert law.reference == "dense" and set(law.laws) == {"dense", "moe"} and law.multipliers["dense"] == 1.0
     assert len(law.bootstrap["moe"]) == 20 and len(law.multiplier_refits["moe"]) == 20
+    assert json.loads((out / "sweep.json").read_text())["unique_tokens"] > 0  # the corpus, counted once
     assert f"the tokenizer in {tokenizer}" in law.fitted_on and "vocab 512" in law.fitted_on
     dense = law.laws["dense"]
     assert dense.n_definition == "active" and dense.alpha == law.laws["moe"].alpha  # shared exponents
