@@ -71,7 +71,7 @@ def test_scale_help_and_its_checks_import_no_torch():
 @pytest.mark.slow
 def test_a_sweep_with_its_own_tokenizer_and_saved_dataset_writes_a_joint_law_the_planner_reads(tmp_path):
     """Dense and MoE on the shipped corpus as a saved dataset (its text in a "body" column), tokenized by a
-    512-token BPE saved to a folder: one law.json of both archs, its multiplier, and the plot."""
+    512-token BPE saved to a folder, two seeds a point: one law.json of both archs, its multiplier, and the plot."""
     import datasets
 
     from adaptive.plan.quality import law_file
@@ -83,15 +83,23 @@ def test_a_sweep_with_its_own_tokenizer_and_saved_dataset_writes_a_joint_law_the
     docs = [d for d in DEFAULT_CORPUS.read_text(encoding="utf-8").split("\n\n") if d.strip()]
     datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(saved))
     out = tmp_path / "sweep"
-    args = ("--out", str(out), "--arch", "dense,moe", "--budgets", "2e10,4e10", "--sizes", "3", "--seq-len", "64",
-            "--bootstrap", "20", "--tokenizer", str(tokenizer), "--dataset", str(saved), "--text-field", "body")
+    args = ("--out", str(out), "--arch", "dense,moe", "--budgets", "2e10,4e10", "--sizes", "2", "--seq-len", "64",
+            "--bootstrap", "20", "--tokenizer", str(tokenizer), "--dataset", str(saved), "--text-field", "body",
+            "--seeds", "2")
     done = scale(*args, "--jobs", "2", timeout=1200)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "isoFLOP sweep" in done.stdout and "wrote" in done.stdout and "effective parameters (" in done.stdout
+    assert "isoFLOP sweep" in done.stdout and "wrote" in done.stdout
+    assert "FLOPs, moe = " in done.stdout and "x dense compute (" in done.stdout  # the multiplier, in words
+    assert "moe and dense tie" in done.stdout or "dense and moe tie" in done.stdout or " is lower than " in done.stdout
     law = law_file.load(out / "law.json")
     assert law.reference == "dense" and set(law.laws) == {"dense", "moe"} and law.multipliers["dense"] == 1.0
     assert len(law.bootstrap["moe"]) == 20 and len(law.multiplier_refits["moe"]) == 20
-    assert json.loads((out / "sweep.json").read_text())["unique_tokens"] > 0  # the corpus, counted once
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert sweep["unique_tokens"] > 0  # the corpus, counted once
+    seeds = {p["name"]: p for p in sweep["points"].values()}
+    assert len(seeds) == 16 and all(name + "-s1" in seeds for name in seeds if not name.endswith("-s1"))
+    raw = json.loads((out / "law.json").read_text())
+    assert raw["archs"]["moe"]["seeds"] == 2 and raw["archs"]["moe"]["points"] == 4  # a point is its seeds' mean
     assert f"the tokenizer in {tokenizer}" in law.fitted_on and "vocab 512" in law.fitted_on
     dense = law.laws["dense"]
     assert dense.n_definition == "active" and dense.alpha == law.laws["moe"].alpha  # shared exponents
@@ -101,6 +109,6 @@ def test_a_sweep_with_its_own_tokenizer_and_saved_dataset_writes_a_joint_law_the
     point = json.loads(next((out / "points").glob("moe-*/point.json")).read_text())
     assert point["vocab_size"] == 512  # the model's embedding is the tokenizer's
     again = scale(*args)
-    assert again.returncode == 0 and "12 of 12 points done already" in again.stdout  # nothing retrained
+    assert again.returncode == 0 and "16 of 16 points done already" in again.stdout  # nothing retrained
     other = scale(*args[:5], "2e10,8e10", *args[6:])
     assert other.returncode == 2 and "holds a sweep with other settings (budgets" in other.stderr
