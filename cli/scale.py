@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -85,7 +86,7 @@ def scale(
     (default 128), --micro-batch (default 4), --lr (default 3e-3) and --seed as a recipe does."""
     from adaptive.extras import require
     from adaptive.scaling.grid import SweepSettings, plan_grid
-    from adaptive.scaling.fit_law import MIN_POINTS
+    from adaptive.scaling.fit_law import MIN_POINTS, MIN_POINTS_PER_ARCH
     from adaptive.scaling.sweep import BUILTIN_VOCAB
 
     d, opt = config.data, config.optimizer
@@ -95,9 +96,12 @@ def scale(
                           seq_len=seq_len, seed=opt.seed, lr=lr, micro_batch=micro_batch, vocab_size=BUILTIN_VOCAB,
                           seeds=seeds, text_field=d.text_field)
     plan_grid(probe)  # every bad value of the grid: one line, before anything is loaded or written
-    if len(probe.budgets) * sizes < MIN_POINTS:
-        raise AdaptiveError(f"--budgets x --sizes gives {len(probe.budgets) * sizes} points per architecture; a "
-                            f"law has {MIN_POINTS} coefficients: give at least {MIN_POINTS}")
+    per_arch = len(probe.budgets) * sizes
+    need = max(MIN_POINTS_PER_ARCH, math.ceil((MIN_POINTS + len(archs) - 1) / len(archs)))
+    if per_arch < need:  # one law: 5 shared coefficients and a multiplier per arch beyond the first
+        raise AdaptiveError(f"--budgets x --sizes gives {per_arch} points per architecture; one law over "
+                            f"{len(archs)} arch(s) has {MIN_POINTS + len(archs) - 1} coefficients: give at least "
+                            f"{need} per architecture")
     require("adaptive scale")
     tokenizer, vocab = _tokenizer(d.tokenizer)
     _check_text(probe.dataset, d.text_field)

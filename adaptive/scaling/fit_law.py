@@ -33,6 +33,9 @@ BOUNDS = [(-20.0, 60.0), (-20.0, 60.0), (-10.0, 5.0), (1e-3, 4.0), (1e-3, 4.0)] 
 LOG_MULTIPLIER_BOUNDS = (-6.0, 6.0)  # an arch worth 1/400 to 400 times the reference's parameters
 LOG_DECAY_BOUNDS = (math.log(0.05), math.log(500.0))  # R_D*: repeats worth nothing after a twentieth of an epoch ..
 # worth almost fresh data
+# below two epochs at most the decay has too little to be fitted on (Muennighoff et al.: up to 4 epochs are nearly
+# as good as fresh data)
+REPEAT_FIT_EPOCHS = 2.0
 DECAY_STARTS = (15.387756, 2.0)  # Muennighoff et al.'s fit (quality/repeated_data.R_D_STAR), and a fast decay
 MIN_POINTS = 5  # five coefficients
 MIN_POINTS_PER_ARCH = 3  # a multiplier, and a check of the shared shape
@@ -255,8 +258,10 @@ def _as_joint(theta: np.ndarray, archs: tuple[str, ...], x: np.ndarray, y: np.nd
 
 
 def _repeats(obs: list[Observation], unique_tokens: float | None) -> float | None:
-    """U when some point trained past one epoch of it (R_D* is then fitted), else None (D is D)."""
-    return unique_tokens if unique_tokens is not None and any(o.tokens > unique_tokens for o in obs) else None
+    """U when some point trained REPEAT_FIT_EPOCHS of it or more (R_D* is then fitted), else None (D is D)."""
+    if unique_tokens is None or max(o.tokens for o in obs) < REPEAT_FIT_EPOCHS * unique_tokens:
+        return None
+    return unique_tokens
 
 
 def _theta(fit: Fit | JointFit, multipliers: tuple[float, ...] = ()) -> np.ndarray:
