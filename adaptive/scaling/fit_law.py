@@ -1,10 +1,15 @@
-"""Fit L(N, D) = E + A/N^alpha + B/D^beta to (N, D, loss) points, as Chinchilla's approach 3 did.
+"""Fit L(N, D) = E + A/N^alpha + B/D^beta to (N, D, loss) points, as Chinchilla's approach 3 did; one law across archs.
 
 Hoffmann et al. 2022 (section 3.3, appendix D.2): minimise the Huber loss (delta 1e-3) of
 LSE(a - alpha log N, b - beta log D, e) - log L over the points, with L-BFGS from a grid of starting points,
 and keep the best; E = exp(e), A = exp(a), B = exp(b). Fitting log-loss weighs every point alike, and the
 Huber loss keeps one bad point from pulling the fit. The gradient is analytic (the LSE's softmax weights).
 The bootstrap refits points resampled with replacement; their spread is the law's confidence band.
+
+Across architectures (fit_joint) the five coefficients are shared and each arch gets a multiplier k on N: a small
+sweep cannot pin five coefficients per arch (they trade off and rank archs by noise), but it can pin one offset per
+arch on a shared shape. Past two epochs of a small corpus, D becomes Muennighoff et al. 2023's effective data with
+R_D* a sixth fitted coefficient.
 
 N is what the law counts (N_DEFINITION): active parameters with the embeddings. At a sweep's sizes the
 embedding and LM head are most of the model; Pearce & Song 2024 ("Reconciling Kaplan and Chinchilla scaling
