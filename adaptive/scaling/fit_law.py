@@ -70,12 +70,13 @@ class Fit:
 
 
 def effective_tokens(d, unique: float | None, decay: float | None):
-    """Muennighoff et al. 2023's effective data: U + U R_D* (1 - exp(-(D/U - 1) / R_D*)) past one epoch of U unique
-    tokens (scalars or arrays); D itself without a decay."""
+    """Muennighoff et al. 2023's effective data past one epoch of U unique tokens (quality/repeated_data.py), for
+    scalars or arrays; D itself without a decay."""
     if unique is None or decay is None:
         return d
-    repeats = np.maximum(np.asarray(d, dtype=float) / unique - 1.0, 0.0)
-    out = np.where(repeats > 0, unique * (1.0 + decay * -np.expm1(-repeats / decay)), d)
+    from adaptive.plan.quality.repeated_data import effective_tokens as fresh_equivalent
+
+    out = np.vectorize(lambda x: fresh_equivalent(float(x), unique, decay), otypes=[float])(d)
     return float(out) if np.ndim(out) == 0 else out
 
 
