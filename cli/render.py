@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from adaptive.plan.estimate.op_times import STACKS
+from adaptive.plan.estimate.optimizers import DESCRIPTIONS
 from adaptive.plan.search.planner import Plan
 
 if TYPE_CHECKING:
@@ -27,6 +28,9 @@ console._highlight = console.color_system is not None
 
 PART_LABELS = {
     "params": "16-bit parameters",
+    "frozen_params": "frozen base weights (16-bit; NF4 codes + quant state)",
+    "dequantized_weight": "a 4-bit weight dequantized for its matmul",
+    "paged_optimizer_states": "8-bit optimizer states, paged (managed memory: spill to host, not in the peak)",
     "grads": "gradients (16-bit + fp32)",
     "accumulated_grads": "16-bit gradients held between accumulation boundaries (ZeRO-0/1)",
     "zero3_grad_partition": "ZeRO-3 16-bit gradient partition",
@@ -46,7 +50,8 @@ PART_LABELS = {
 }
 # When each part is alive during a step; the peak sums only parts alive at the same moment.
 PART_WHEN = {
-    "params": "whole step", "optimizer": "whole step", "comm_buckets": "whole step",
+    "params": "whole step", "optimizer": "whole step", "comm_buckets": "whole step", "frozen_params": "whole step",
+    "dequantized_weight": "forward and backward", "paged_optimizer_states": "outside the peak",
     "zero3_grad_partition": "whole step", "hpz_secondary_params": "whole step",
     "grads": "optimizer step", "zero3_live_params": "backward",
     "accumulated_grads": "backward",
@@ -122,9 +127,9 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
     req, c = p.request, p.shown
     s, spec = c.setup, req.spec
     verdict = Text("FITS", style="bold green") if p.fits else Text("DOES NOT FIT", style="bold red")
-    title = Text.assemble(f"{spec.name} {spec.arch} on {req.world_size} x {req.gpu.name}: ", verdict)
+    title = Text.assemble(f"{spec.name} {spec.arch}{finetune_words(p)} on {req.world_size} x {req.gpu.name}: ", verdict)
     out(title)
-    out(f"{human(p.counts.total)} params ({human(p.counts.active)} active), "
+    out(f"{human(p.counts.total)} params ({human(p.counts.active)} active){trainable_words(p)}, "
                   f"{'bf16' if req.gpu.bf16 else 'fp16'}, {req.gpu.memory_gib:.1f} GiB per GPU; "
                   f"{p.searched} configurations searched")
 
@@ -170,11 +175,26 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
     if c.memory.host_bytes_per_node:
         ok = "within" if c.fits_host else "[red]more than[/red]"
         out(f"Host RAM for offload: {gib(c.memory.host_bytes_per_node)} per node "
-                      f"({ok} the {gib(p.host_mem_bytes)} available; --host-mem)")
+                      f"({ok} the {gib(p.host_mem_bytes)} available; --host-mem)"
+            + (", pinned: DeepSpeed's swap buffers and what it keeps off the drive" if s.offload_device == "nvme" else ""))
+    if c.memory.nvme_bytes_per_node:
+        from adaptive.plan.estimate.memory import nvme_estimate
+
+        nv = nvme_estimate(s)
+        out(f"NVMe (ZeRO-Infinity): {gib(c.memory.nvme_bytes_per_node)} of swap files per node; per optimizer step "
+            f"{nv.step.read_bytes / 1e9:,.1f} GB read and {nv.step.write_bytes / 1e9:,.1f} GB written, per micro-batch "
+            f"{nv.micro_batch.read_bytes / 1e9:,.1f} GB of parameters read; at {nv.drive.read_gbps:g}/"
+            f"{nv.drive.write_gbps:g} GB/s ({nv.drive.source})", soft_wrap=True)
 
     out(speed_table(p))
     if p.quality is not None:
         out(quality_table(p))
+    elif p.quality_note:
+        out(f"[bold]Quality:[/bold] {p.quality_note}.", soft_wrap=True)
+        if p.hyperparams is not None:
+            h = p.hyperparams
+            out(f"Batch and learning rate: {human(p.global_batch_tokens)} tokens, lr {p.request.lr or h.lr:g}"
+                + (" (--lr)" if p.request.lr else f" (the recipe of {h.source})"), soft_wrap=True)
 
     lad = Table(title="OOM playbook with our numbers (micro-batch 1)", box=box.SIMPLE_HEAD)
     lad.add_column("step")
@@ -242,6 +262,26 @@ def budget(result: BudgetResult, files: dict[str, Path] | None = None) -> None:
                       f"{best.train_tokens:.4g}{lr} --ds-config {files['ds_config']}", soft_wrap=True)
 
 
+def finetune_words(p: Plan) -> str:
+    """ ", QLoRA fine-tune (rank 16, all-linear)" for a fine-tune's title."""
+    ft = p.request.finetune
+    if ft is None:
+        return ""
+    if not ft.adapted:
+        return ", full fine-tune"
+    return (f", {'QLoRA' if ft.quantized else 'LoRA'} fine-tune (rank {ft.lora_rank}, alpha {ft.alpha:g}, "
+            f"{ft.lora_targets})")
+
+
+def trainable_words(p: Plan) -> str:
+    """ "; 42M trainable (0.52%), 8.0B frozen (6.98B in NF4)" where a fine-tune freezes its base."""
+    r = p.roles
+    if r is None or not r.frozen:
+        return ""
+    nf4 = f", {human(r.frozen_4bit)} in NF4" if r.frozen_4bit else ""
+    return f"; {human(r.trainable)} trainable ({r.trainable / r.total:.2%}), {human(r.frozen)} frozen{nf4}"
+
+
 def knobs_table(p: Plan) -> Table:
     """The DeepSpeed knobs of the plan (or of the closest configuration)."""
     req, c = p.request, p.shown
@@ -251,7 +291,10 @@ def knobs_table(p: Plan) -> Table:
     knobs.add_column()
     micro_label = "micro-batch per GPU" if s.dp_size == req.world_size else "micro-batch per replica"
     offload = "optimizer + params" if s.offload_params else "optimizer" if s.offload_optimizer else "none"
-    for k, v in (("ZeRO stage", s.zero_stage), ("CPU offload", offload), (micro_label, s.micro_batch_size),
+    if s.offload_device == "nvme":
+        offload += f" on NVMe ({req.nvme_path or 'a drive of yours: --nvme-path'})"
+    for k, v in (("ZeRO stage", s.zero_stage), ("CPU offload" if s.offload_device == "cpu" else "offload", offload),
+                 (micro_label, s.micro_batch_size),
                  ("gradient accumulation", c.grad_accum),
                  ("global batch", f"{human(s.seq_len * s.micro_batch_size * c.grad_accum * s.dp_size)} tokens"),
                  ("sequence length", s.seq_len), ("activation checkpointing", "on" if s.gradient_checkpointing else "off"),
@@ -265,6 +308,7 @@ def knobs_table(p: Plan) -> Table:
                        ("pipeline stages (pp)", f"{s.pp_size} ({c.grad_accum} micro-batches per step, DeepSpeed's "
                         f"non-interleaved 1F1B, bubble {bubble:.1%})", s.pp_size > 1),
                        ("data-parallel replicas", s.dp_size, s.tp_size * s.sp_size * s.pp_size > 1),
+                       ("optimizer", f"{req.optimizer} ({DESCRIPTIONS[req.optimizer]})", req.optimizer != "auto"),
                        ("ZeRO++", zeropp(s), s.zero_hpz > 1 or s.zero_quantized_weights or s.zero_quantized_gradients)):
         if used:
             knobs.add_row(k, str(v))
@@ -296,8 +340,9 @@ def speed_table(p: Plan) -> Table:
                       f"memory-bound {t.memory_bound_seconds:.2f} (optimizer step {t.optimizer_seconds:.2f}), "
                       f"launch floor {t.launch_seconds:.2f} s; {t.kernels_per_step:,.0f} kernels; "
                       f"{stack.name} stack at {stack.efficiency:.0%} of the kernels' benchmark speed")
-    speed.add_row("training tokens", f"{human(p.train_tokens)}"
-                  + ("" if req.train_tokens else " (20 x active params)"))
+    rule = ("" if req.train_tokens else " (--dataset-tokens x --epochs; 10M tokens, 1 epoch unless given)"
+            if req.finetune else " (20 x active params)")
+    speed.add_row("training tokens", f"{human(p.train_tokens)}{rule}")
     speed.add_row("time", duration(p.hours))
     speed.add_row("cost", f"${p.cost:,.2f} at ${req.gpu.price_per_hour:.2f}/GPU-hour "
                   f"(${p.cost / p.train_tokens * 1e9:,.2f} per 1B tokens)")

@@ -147,12 +147,13 @@ LAYERS = {
     "adaptive.plan": {
         "architecture": set(),  # the model: pure data and arithmetic
         "hardware": set(),
-        "estimate": {"architecture", "hardware"},  # the estimates never import the search
+        "finetune": {"architecture"},  # a fine-tuning method and the split of the parameters it makes
+        "estimate": {"architecture", "hardware", "finetune"},  # the estimates never import the search
         "quality": {"architecture", "estimate"},  # the loss a run buys: laws over the model and its FLOPs
-        "search": {"architecture", "hardware", "estimate", "quality"},  # nor does the search import the configs
-        "ds_config": {"architecture", "hardware", "estimate", "quality", "search"},
-        "evidence": {"architecture", "hardware", "estimate", "search", "ds_config"},
-        "": {"architecture", "hardware", "estimate", "quality", "search", "ds_config", "evidence"},
+        "search": {"architecture", "hardware", "finetune", "estimate", "quality"},  # nor does the search import the configs
+        "ds_config": {"architecture", "hardware", "finetune", "estimate", "quality", "search"},
+        "evidence": {"architecture", "hardware", "finetune", "estimate", "search", "ds_config"},
+        "": {"architecture", "hardware", "finetune", "estimate", "quality", "search", "ds_config", "evidence"},
     },
     "adaptive.train": {
         "data": set(),

@@ -186,8 +186,18 @@ class ParallelismOptions:
 
     zero: int | None = option(None, "--zero", commands=SHAPE, minimum=0, maximum=3,
                               help="Pin the ZeRO stage (0-3).")
-    offload: str | None = option(None, "--offload", commands=PLANNING, choices=("none", "optimizer", "all"),
-                                 help="Pin CPU offload: none, optimizer (its states) or all (and the parameters).")
+    offload: str | None = option(
+        None, "--offload", commands=PLANNING, choices=("none", "optimizer", "all", "nvme", "nvme-optimizer"),
+        help="Pin offload: none, optimizer (its states to the CPU), all (and the parameters), or ZeRO-Infinity's nvme "
+             "(states and parameters to an NVMe drive) or nvme-optimizer (the states alone), ZeRO-3 and --nvme-path.")
+    nvme_path: str | None = option(
+        None, "--nvme-path", commands=PLANNING,
+        help="A writable folder on an NVMe drive for ZeRO-Infinity's swap files: enables --offload nvme and "
+             "nvme-optimizer (the planner tries them under ZeRO-3).")
+    nvme_gbps: str | None = option(
+        None, "--nvme-gbps", commands=PLANNING, pattern=(r"\d+(\.\d+)?(/\d+(\.\d+)?)?", "READ or READ/WRITE in GB/s"),
+        help="The NVMe drive's sequential read/write GB/s, as READ/WRITE or one figure for both (default: a PCIe 4.0 "
+             "drive's datasheet figures; measure yours with DeepSpeed's ds_nvme_tune).")
     micro_batch: int | None = option(None, "--micro-batch", commands=SHAPE | {SCALE}, minimum=1,
                                      help="Pin the micro-batch per GPU.")
     grad_accum: int | None = option(None, "--grad-accum", commands=PLANNING, minimum=1,
@@ -225,6 +235,30 @@ class ParallelismOptions:
 
 
 @record
+class FinetuneOptions:
+    """Fine-tuning a downloaded checkpoint: in full, or LoRA / QLoRA adapters on a frozen base."""
+
+    finetune: str | None = option(
+        None, "--finetune", commands=FIT_ONLY | {COMPARE}, choices=("full", "lora", "qlora"),
+        help="Plan a fine-tune of --model PATH/config.json: full (every parameter), lora (PEFT LoRA on a frozen 16-bit "
+             "base) or qlora (LoRA on a bitsandbytes NF4 base, double-quantized). Without it a plan is pretraining.")
+    lora_rank: int | None = option(None, "--lora-rank", commands=FIT_ONLY | {COMPARE}, minimum=1,
+                                   help="LoRA rank r (default 16).")
+    lora_alpha: float | None = option(None, "--lora-alpha", commands=FIT_ONLY | {COMPARE}, above=0.0,
+                                      help="LoRA alpha (default 2 x rank).")
+    lora_targets: str | None = option(
+        None, "--lora-targets", commands=FIT_ONLY | {COMPARE},
+        help="Linear layers LoRA adapts: all-linear (PEFT's: every nn.Linear but the output layer; default), "
+             "attention, or module names as PEFT takes them (q_proj,v_proj).")
+    lora_dropout: float | None = option(None, "--lora-dropout", commands=FIT_ONLY | {COMPARE}, minimum=0.0,
+                                        help="LoRA dropout (default 0, PEFT's); each target then keeps its own "
+                                             "dropped copy of its input for backward.")
+    epochs: float | None = option(None, "--epochs", commands=FIT_ONLY | {COMPARE}, above=0.0, maximum=1000.0,
+                                  help="Epochs over the dataset: a fine-tune trains --dataset-tokens x --epochs "
+                                       "tokens (default 1 epoch of 10M tokens).")
+
+
+@record
 class CheckpointingOptions:
     """Activation checkpointing."""
 
@@ -243,7 +277,8 @@ class OptimizerOptions:
     optimizer: str | None = option(
         None, "--optimizer", commands=FIT_ONLY,
         help="Optimizer implementation: auto (fused AdamW, as adaptive runs), adamw_torch (foreach), "
-             "adamw_torch_fused, deepspeed_fused_adam, deepspeed_cpu_adam.")
+             "adamw_torch_fused, deepspeed_fused_adam, deepspeed_cpu_adam, or bitsandbytes' adamw_8bit and "
+             "paged_adamw_8bit (8-bit moments; the paged one's spill to host RAM).")
     lr: float | None = option(None, "--lr", commands=SWEEP | FIT_ONLY, above=0.0,
                               help="Peak learning rate (default by preset: debug 3e-3, debug_200m 6e-4, b1 and "
                                    "larger 3e-4; a budget plan offers DeepSeek LLM's compute-optimal one).")
@@ -368,6 +403,7 @@ class SchedulerOptions:
 PANELS = {  # section -> its --help panel
     "model": "Model", "hardware": "Hardware", "data": "Data and sequence", "schedule": "Length",
     "quality": "Quality and budget",
+    "finetune": "Fine-tuning",
     "parallelism": "Knobs (pin what the planner would choose)", "checkpointing": "Knobs (pin what the planner would choose)",
     "optimizer": "Optimization", "orchestrator": "Orchestrator", "output": "Output, checkpoints, logs",
     "faults": "Faults and restarts", "scheduler": "Scheduler (Slurm)",
@@ -383,6 +419,7 @@ class RunConfig:
     data: DataOptions = field(default_factory=DataOptions)
     schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
     quality: QualityOptions = field(default_factory=QualityOptions)
+    finetune: FinetuneOptions = field(default_factory=FinetuneOptions)
     parallelism: ParallelismOptions = field(default_factory=ParallelismOptions)
     checkpointing: CheckpointingOptions = field(default_factory=CheckpointingOptions)
     optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)

@@ -12,11 +12,13 @@ from adaptive.plan.estimate.attention import ATTENTIONS
 from adaptive.plan.hardware.gpus import GiB, GPU, custom_gpu, get_gpu
 from adaptive.plan.architecture.hf_config import default_kernels, looks_like_path, spec_from_hf_config
 from adaptive.plan.estimate.optimizers import check_optimizer
+from adaptive.plan.finetune.method import Finetune, make_finetune
 from adaptive.plan.quality.predict import resolve_law
 from adaptive.plan.search.planner import FitRequest
 from adaptive.plan.architecture.presets import ModelSpec, preset_spec
 
 if TYPE_CHECKING:  # --ds-config and --calibrate import what they read when given (a plain fit starts sooner)
+    from adaptive.plan.estimate.nvme import NvmeDrive
     from adaptive.plan.evidence.run_calibration import RunMeasurement
 
 
@@ -56,10 +58,14 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
                  checkpoint_policy: str | None = None, sp_size: int | None = None, tp_size: int | None = None,
                  zero_hpz: int | None = None, zero_quantize: str | None = None, loss_law: str | None = None,
                  dataset_tokens: float | None = None, lr: float | None = None,
-                 pp_size: int | None = None) -> FitRequest:
+                 pp_size: int | None = None, finetune: str | None = None, lora_rank: int | None = None,
+                 lora_alpha: float | None = None, lora_targets: str | None = None, lora_dropout: float | None = None,
+                 epochs: float | None = None, nvme_path: str | None = None,
+                 nvme_gbps: str | None = None) -> FitRequest:
     """`kernels` None: "lean" for adaptive's models, "plain" for a config.json transformers' class trains."""
     require_positive("--host-mem", host_mem_gib)
     spec = resolve_model(model, arch, mod_capacity)
+    method = resolve_finetune(finetune, lora_rank, lora_alpha, lora_targets, lora_dropout, epochs)
     if attention not in ATTENTIONS:
         raise AdaptiveError(f"--attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
     optimizer = check_optimizer(optimizer) if optimizer else None
@@ -102,12 +108,53 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         zero_quantized_weights=None if zero_quantize is None else zero_quantize in ("weights", "both"),
         zero_quantized_gradients=None if zero_quantize is None else zero_quantize in ("gradients", "both"),
         loss_model=resolve_law(loss_law), unique_tokens=dataset_tokens, lr=lr,
+        finetune=method, epochs=epochs, nvme=resolve_nvme(nvme_path, nvme_gbps),
+        nvme_path=None if nvme_path is None else str(Path(nvme_path).expanduser()),
     )
     if run is None:
         return request
     from adaptive.plan.evidence.run_calibration import calibrate as calibrate_with_run
 
     return calibrate_with_run(request, run)
+
+
+def resolve_finetune(method: str | None, rank: int | None, alpha: float | None, targets: str | None,
+                     dropout: float | None, epochs: float | None) -> Finetune | None:
+    """--finetune and its LoRA options; the LoRA options and --epochs need --finetune."""
+    if method is None:
+        for flag, value in (("--lora-rank", rank), ("--lora-alpha", alpha), ("--lora-targets", targets),
+                            ("--lora-dropout", dropout), ("--epochs", epochs)):
+            if value is not None:
+                raise AdaptiveError(f"{flag} applies to a fine-tune: give --finetune lora or qlora"
+                                    + (" (or full)" if flag == "--epochs" else ""))
+        return None
+    return make_finetune(method, rank, alpha, targets, dropout)
+
+
+def resolve_nvme(path: str | None, gbps: str | None) -> NvmeDrive | None:
+    """The NVMe drive ZeRO-Infinity swaps to: --nvme-path must be a folder this user can write; --nvme-gbps is
+    READ[/WRITE] in GB/s (default: a PCIe 4.0 drive's datasheet figures, estimate/nvme.py)."""
+    import os
+
+    from adaptive.plan.estimate.nvme import DEFAULT_DRIVE, NvmeDrive
+
+    if path is None:
+        if gbps is not None:
+            raise AdaptiveError("--nvme-gbps describes the drive of --nvme-path: give --nvme-path DIR too")
+        return None
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise AdaptiveError(f"--nvme-path {path!r} is not a folder; give an existing folder on the NVMe drive")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise AdaptiveError(f"--nvme-path {path!r} is not writable by this user; DeepSpeed writes its swap files there")
+    if gbps is None:
+        return DEFAULT_DRIVE
+    read, _, write = gbps.partition("/")
+    r, w = float(read), float(write or read)
+    for name, v in (("read", r), ("write", w)):
+        if not 0 < v < 1000:
+            raise AdaptiveError(f"--nvme-gbps {gbps!r}: the {name} speed must be between 0 and 1000 GB/s")
+    return NvmeDrive(read_gbps=r, write_gbps=w, source="given (--nvme-gbps)")
 
 
 def load_run(run_dir: str) -> RunMeasurement:
@@ -146,4 +193,7 @@ def request_from_config(config: RunConfig, *, model: str = "b7", calibrate: str 
         optimizer=config.optimizer.optimizer, attention=m.attention, ds_config=par.ds_config,
         kernels=m.kernels, checkpoint_policy=config.checkpointing.checkpoint_policy, sp_size=par.sp_size,
         tp_size=par.tp_size, zero_hpz=par.zero_hpz, zero_quantize=par.zero_quantize, loss_law=config.quality.loss_law,
-        dataset_tokens=config.quality.dataset_tokens, lr=config.optimizer.lr, pp_size=par.pp_size)
+        dataset_tokens=config.quality.dataset_tokens, lr=config.optimizer.lr, pp_size=par.pp_size,
+        finetune=config.finetune.finetune, lora_rank=config.finetune.lora_rank, lora_alpha=config.finetune.lora_alpha,
+        lora_targets=config.finetune.lora_targets, lora_dropout=config.finetune.lora_dropout,
+        epochs=config.finetune.epochs, nvme_path=par.nvme_path, nvme_gbps=par.nvme_gbps)

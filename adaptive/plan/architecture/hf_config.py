@@ -1,4 +1,5 @@
-"""Read a transformers `config.json` (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE) into a ModelSpec.
+"""Read a transformers `config.json` into a ModelSpec: the decoders of families.py (Llama, Mistral, Qwen2, Qwen3,
+Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE) and our own exports.
 
 Pure JSON reading, so users can fit their own models offline without torch or transformers.
 """
@@ -10,13 +11,14 @@ from pathlib import Path
 
 from adaptive.errors import AdaptiveError, unknown
 from adaptive.plan.architecture.blocks import block_type
+from adaptive.plan.architecture.families import FAMILIES, HF_TYPES
 from adaptive.plan.architecture.hf_fields import EXPERT_KEYS, check_fields
 from adaptive.plan.architecture.presets import (ARCHS, DEFAULT_MOD_CAPACITY, DEFAULT_NUM_EXPERTS, DEFAULT_TOP_K,
                                     ModelSpec, layer_pattern)
 
-DENSE_TYPES = ("llama", "mistral", "qwen2")
-MOE_TYPES = ("mixtral", "qwen2_moe")
-SUPPORTED_TYPES = DENSE_TYPES + MOE_TYPES + ("adaptive",)
+MOE_TYPES = tuple(t for t in HF_TYPES if FAMILIES[t].experts != "none")
+DENSE_TYPES = tuple(t for t in HF_TYPES if t not in MOE_TYPES)
+SUPPORTED_TYPES = HF_TYPES + ("adaptive",)
 
 
 def looks_like_path(model: str) -> bool:
@@ -57,19 +59,27 @@ def spec_from_hf_config(path: str | Path, arch: str | None = None) -> ModelSpec:
     p = str(path)
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_TYPES:
-        raise unknown("model_type in config.json", str(model_type), SUPPORTED_TYPES)
+        raise unknown_model_type(model_type)
     if model_type == "adaptive":
         spec = _spec_from_adaptive_config(cfg, p)
         # a dense export planned as our MoE/MoD/hybrid variant of it, like a dense HF config below
         return spec if arch in (None, spec.arch) or spec.is_moe or spec.is_mod else arch_variant(spec, arch)
 
+    family = FAMILIES[model_type]
     f = check_fields(cfg, p)
     h, heads, layers = f.hidden_size, f.num_attention_heads, f.num_hidden_layers
     kv = f.num_key_value_heads or heads
-    head_dim = f.head_dim or h // heads
+    # config.json may leave head_dim out: Gemma's and Qwen3's config classes then say 256 and 128, not hidden / heads
+    head_dim = f.head_dim or family.default_head_dim or h // heads
     if head_dim % 2:
         raise AdaptiveError(f"config.json {p!r}: head_dim ({head_dim}) must be even; rotary embeddings rotate pairs")
     rope = f.rope_parameters.rope_theta if f.rope_parameters and f.rope_parameters.rope_theta else f.rope_theta
+    tie = f.tie_word_embeddings if "tie_word_embeddings" in cfg else family.default_tie
+    if family.qkv_bias is None:  # configurable: `attention_bias` (Qwen2-MoE: `qkv_bias`, true by default)
+        qkv_bias = bool(getattr(f, family.default_qkv_bias_key) if family.default_qkv_bias_key in cfg
+                        else family.default_qkv_bias_key == "qkv_bias")
+    else:
+        qkv_bias = family.qkv_bias
     common = dict(
         name=f.name_or_path or _name_from_path(Path(p)) or model_type,
         vocab_size=f.vocab_size,
@@ -81,13 +91,18 @@ def spec_from_hf_config(path: str | Path, arch: str | None = None) -> ModelSpec:
         head_dim=head_dim,
         max_position_embeddings=f.max_position_embeddings or 4096,
         rope_theta=float(rope or 10000.0),
-        tie_word_embeddings=f.tie_word_embeddings,
+        tie_word_embeddings=tie,
+        qkv_bias=qkv_bias,
+        o_bias=qkv_bias if family.o_bias_from_attention_bias else False,
+        mlp_bias=f.mlp_bias if model_type == "llama" else False,
+        attn_logit_softcapping=f.attn_logit_softcapping if model_type == "gemma2" else None,
+        final_logit_softcapping=f.final_logit_softcapping if model_type in ("gemma2", "gemma3_text") else None,
         source=f"hf:{model_type}",
     )
-    if model_type == "llama":
-        common.update(qkv_bias=f.attention_bias, o_bias=f.attention_bias, mlp_bias=f.mlp_bias)
-    elif model_type in ("qwen2", "qwen2_moe"):
-        common.update(qkv_bias=True if f.qkv_bias is None else f.qkv_bias)
+    if model_type == "gemma2" and "attn_logit_softcapping" not in cfg:  # Gemma2Config's defaults
+        common["attn_logit_softcapping"] = 50.0
+    if model_type == "gemma2" and "final_logit_softcapping" not in cfg:
+        common["final_logit_softcapping"] = 30.0
 
     if model_type in MOE_TYPES:
         if arch not in (None, "moe"):
@@ -97,15 +112,26 @@ def spec_from_hf_config(path: str | Path, arch: str | None = None) -> ModelSpec:
     if model_type == "mixtral":
         return ModelSpec(arch="moe", layer_types=("moe",) * layers, num_local_experts=experts, num_experts_per_tok=top_k,
                          moe_intermediate_size=common["intermediate_size"], **common)
-    if model_type == "qwen2_moe":
+    if model_type in ("qwen2_moe", "qwen3_moe"):
         step = f.decoder_sparse_step or 1
         dense_only = set(f.mlp_only_layers or [])
         types = tuple("moe" if (i + 1) % step == 0 and i not in dense_only else "dense" for i in range(layers))
+        shared = (f.shared_expert_intermediate_size or 5632) if model_type == "qwen2_moe" else 0
         return ModelSpec(arch="moe", layer_types=types, num_local_experts=experts, num_experts_per_tok=top_k,
-                         moe_intermediate_size=f.moe_intermediate_size or 1408,
-                         shared_expert_intermediate_size=f.shared_expert_intermediate_size or 5632, **common)
+                         moe_intermediate_size=f.moe_intermediate_size or (1408 if model_type == "qwen2_moe" else 768),
+                         shared_expert_intermediate_size=shared, **common)
     dense = ModelSpec(arch="dense", layer_types=("dense",) * layers, **common)
     return arch_variant(dense, arch or "dense")
+
+
+def unknown_model_type(model_type: object) -> AdaptiveError:
+    """One line naming the model_type and the ones we plan."""
+    from adaptive.errors import closest
+
+    near = closest(str(model_type), SUPPORTED_TYPES)
+    hint = f"; did you mean {near}?" if near else ""
+    return AdaptiveError(f"unsupported model_type {model_type!r} in config.json{hint} (supported: "
+                         f"{', '.join(SUPPORTED_TYPES)})")
 
 
 def arch_variant(dense: ModelSpec, arch: str) -> ModelSpec:

@@ -16,7 +16,7 @@ from adaptive.errors import AdaptiveError, from_validation
 
 # (model_type) -> (the key that counts the experts, its default, the top-k default): transformers' defaults
 EXPERT_KEYS = {"mixtral": ("num_local_experts", 8, 2), "qwen2_moe": ("num_experts", 60, 4),
-               "adaptive": ("num_local_experts", 0, 0)}
+               "qwen3_moe": ("num_experts", 128, 8), "adaptive": ("num_local_experts", 0, 0)}
 
 
 def _models() -> tuple[type, type]:
@@ -61,6 +61,8 @@ def _models() -> tuple[type, type]:
         mlp_only_layers: list[size] | None = None
         moe_intermediate_size: count | None = None
         shared_expert_intermediate_size: count | None = None
+        attn_logit_softcapping: positive | None = None  # Gemma 2
+        final_logit_softcapping: positive | None = None  # Gemma 2 (Gemma 3: null)
         name_or_path: StrictStr | None = Field(None, alias="_name_or_path")
 
         @model_validator(mode="after")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from adaptive.plan.architecture.blocks import block_type
+from adaptive.plan.architecture.families import family_of
 from adaptive.plan.architecture.presets import ModelSpec
 from adaptive.record import record
 
@@ -27,7 +28,8 @@ def attention_params(s: ModelSpec) -> int:
     o = s.num_attention_heads * s.head_dim * s.hidden_size
     bias = (s.num_attention_heads + 2 * s.num_key_value_heads) * s.head_dim if s.qkv_bias else 0
     o_bias = s.hidden_size if s.o_bias else 0
-    return q + kv + o + bias + o_bias
+    qk_norm = 2 * s.head_dim if family_of(s).qk_norm else 0  # Qwen3, Gemma 3: an RMSNorm over head_dim on q and k
+    return q + kv + o + bias + o_bias + qk_norm
 
 
 def swiglu_params(hidden: int, inner: int, bias: bool = False) -> int:
@@ -60,7 +62,7 @@ def mod_router_params(s: ModelSpec) -> int:
 @lru_cache(maxsize=1024)
 def layer_params(s: ModelSpec, layer_type: str) -> tuple[int, int, int]:
     """(total, active, expert) params of one decoder layer of `layer_type`."""
-    norms = 2 * s.hidden_size
+    norms = family_of(s).norms_per_layer * s.hidden_size  # Gemma: 4, around both halves
     base = attention_params(s) + norms
     kind = block_type(layer_type)
     if kind.routed:

@@ -101,6 +101,9 @@ class ModelSpec:
     # MoD
     mod_capacity: float = 1.0
     mod_predictor_hidden_size: int = 0  # 0: route causally with the router's own logits (BCE-trained)
+    # Gemma 2: tanh soft caps on the attention scores and on the logits (x -> cap * tanh(x / cap))
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     # Where the shape came from: "preset" or "hf:<model_type>"
     source: str = "preset"
     nominal_params: float | None = None
@@ -132,6 +135,11 @@ class ModelSpec:
     @cached_property  # the planner asks thousands of times per fit
     def num_mod_layers(self) -> int:
         return sum(block_type(t).routed for t in self.layer_types)
+
+    @property
+    def model_type(self) -> str:
+        """The config.json's model_type ("adaptive" for presets and our exports): its family (families.py)."""
+        return self.source[3:] if self.source.startswith("hf:") else "adaptive"
 
     def mod_tokens(self, seq_len: int) -> int:
         """Tokens a routed block processes per sequence: exactly ceil(capacity * seq)."""

@@ -16,7 +16,9 @@ from adaptive.errors import AdaptiveError
 from adaptive.plan.estimate import memory as mem
 from adaptive.plan.search.advice import OVERHEAD_SOURCE
 from adaptive.plan.hardware.gpus import GPU
-from adaptive.plan.estimate.memory import TrainSetup, reduce_bucket_elements
+from adaptive.plan.estimate.memory import TrainSetup, nvme_setup, reduce_bucket_elements, trained_counts
+from adaptive.plan.estimate.optimizers import EIGHT_BIT
+from adaptive.plan.architecture.families import resolve_targets
 from adaptive.plan.architecture.params import count_params
 from adaptive.plan.quality.predict import quality_dict
 from adaptive.plan.search.planner import Candidate, Plan
@@ -29,15 +31,16 @@ GRADIENT_CLIPPING = 1.0
 JSON_SCHEMA_VERSION = 1
 
 
-def ds_config(setup: TrainSetup, grad_accum: int, gpu: GPU) -> dict:
+def ds_config(setup: TrainSetup, grad_accum: int, gpu: GPU, nvme_path: str | None = None) -> dict:
     """A DeepSpeed config for one setup. The optimizer and LR schedule are built by the training
     loop (torch AdamW or DeepSpeedCPUAdam under offload, transformers' cosine schedule), so the
-    file holds only what DeepSpeed itself must know."""
+    file holds only what DeepSpeed itself must know. NVMe offload writes ZeRO-Infinity's sections (nvme.py) for
+    `nvme_path`."""
     dp = setup.dp_size  # DeepSpeed counts the batch per data-parallel replica (an SP or TP group is one)
     zero: dict = {"stage": setup.zero_stage}
     if setup.zero_stage > 0:
         zero.update(overlap_comm=True, contiguous_gradients=True,
-                    reduce_bucket_size=reduce_bucket_elements(count_params(setup.spec)))
+                    reduce_bucket_size=reduce_bucket_elements(trained_counts(setup, count_params(setup.spec))))
     if setup.zero_stage in (1, 2):
         zero.update(allgather_bucket_size=mem.ALLGATHER_BUCKET_ELEMENTS, reduce_scatter=True)
     if setup.zero_stage == 3:
@@ -57,6 +60,13 @@ def ds_config(setup: TrainSetup, grad_accum: int, gpu: GPU) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if setup.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    client = {}
+    if setup.optimizer in EIGHT_BIT:
+        # bitsandbytes' optimizer is a client optimizer DeepSpeed has not tested with ZeRO (runtime/engine.py asserts
+        # without this), and under offload DeepSpeed would otherwise swap it for its own CPU Adam (engine.py)
+        client["zero_allow_untested_optimizer"] = True
+        if setup.offload_optimizer:
+            client["zero_force_ds_cpu_optimizer"] = False
     cfg: dict = {
         "train_batch_size": setup.micro_batch_size * grad_accum * dp,
         "train_micro_batch_size_per_gpu": setup.micro_batch_size,
@@ -65,6 +75,7 @@ def ds_config(setup: TrainSetup, grad_accum: int, gpu: GPU) -> dict:
         "zero_optimization": zero,
         "steps_per_print": 100,
         "wall_clock_breakdown": False,
+        **client,
     }
     if setup.sp_size > 1:
         # Ulysses: DeepSpeedConfig divides the world by it when no mpu is given (runtime/config.py:468);
@@ -87,6 +98,11 @@ def ds_config(setup: TrainSetup, grad_accum: int, gpu: GPU) -> dict:
         # T4 and older: fp16 with dynamic loss scaling
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
                        "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+    if setup.offload_device == "nvme":
+        from adaptive.plan.ds_config.nvme import with_nvme
+
+        lora = setup.finetune is not None and setup.finetune.adapted
+        cfg = with_nvme(cfg, nvme_setup(setup), nvme_path or "", lora=lora)
     return cfg
 
 
@@ -198,6 +214,7 @@ def candidate_dict(c: Candidate) -> dict:
         "model_state_bytes": c.memory.model_state_bytes,
         "peak_gpu_bytes": c.memory.peak_gpu_bytes,
         "host_bytes": c.memory.host_bytes_per_node,
+        "nvme_bytes": c.memory.nvme_bytes_per_node,
         "fits_gpu": c.fits_gpu,
         "fits_host": c.fits_host,
         "tokens_per_second": t.tokens_per_second,
@@ -264,9 +281,31 @@ def plan_dict(plan: Plan) -> dict:
         "calibration_source": req.calibration_source,
         "ds_config": ds_config_dict(plan),
         "quality": quality_dict(plan.quality) if plan.quality else None,
+        "quality_absent_reason": plan.quality_note,
         "hyperparameters": hyperparams_dict(plan),
+        "finetune": finetune_dict(plan),
     }
     return out
+
+
+def finetune_dict(plan: Plan) -> dict | None:
+    """A fine-tune's method and its split of the parameters (None for pretraining)."""
+    ft, roles, s = plan.request.finetune, plan.roles, plan.shown.setup
+    if ft is None or roles is None:
+        return None
+    adapted = ft.adapted
+    return {"method": ft.method,
+            "rank": ft.lora_rank if adapted else None, "alpha": ft.alpha if adapted else None,
+            "dropout": ft.lora_dropout if adapted else None,
+            "targets": ft.lora_targets if adapted else None,
+            "target_modules": sorted({m.leaf for m in resolve_targets(plan.request.spec, ft.lora_targets)})
+            if adapted else None,
+            "trainable_params": roles.trainable, "frozen_params": roles.frozen, "base_bits": ft.base_bits,
+            "nf4_params": roles.frozen_4bit, "nf4_bytes": roles.nf4_packed_bytes + roles.nf4_state_bytes,
+            # PEFT's DeepSpeed guide: ZeRO-3 partitions the 4-bit codes only when stored in the compute dtype
+            "bnb_4bit_quant_storage": (("bfloat16" if plan.request.gpu.bf16 else "float16") if s.zero_stage == 3
+                                       else "uint8") if ft.quantized else None,
+            "epochs": plan.request.epochs, "dataset_tokens": plan.request.unique_tokens}
 
 
 def hyperparams_dict(plan: Plan) -> dict | None:
@@ -395,7 +434,8 @@ def write_plan_files(plan: Plan, out_dir: str | Path) -> dict[str, Path]:
         atomic_write_text(plan_path, json.dumps(plan_dict(plan), indent=2) + "\n")
         if not plan.fits:
             return {"plan": plan_path}
-        atomic_write_text(ds_path, json.dumps(ds_config(c.setup, c.grad_accum, plan.request.gpu), indent=2) + "\n")
+        cfg = ds_config(c.setup, c.grad_accum, plan.request.gpu, plan.request.nvme_path)
+        atomic_write_text(ds_path, json.dumps(cfg, indent=2) + "\n")
         atomic_write_text(acc_path, to_yaml(accelerate_config(c.setup, str(ds_path.resolve()))))
     except OSError as e:  # a file where the folder should be, no permission, a full disk: bad input, not a crash
         raise AdaptiveError(f"cannot write the plan files into {str(out)!r}: {e.strerror or e}") from None

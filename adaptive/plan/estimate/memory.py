@@ -3,12 +3,19 @@
 Model states follow DeepSpeed's own accounting (its `estimate_zero{2,3}_model_states_mem_needs`,
 checked in tests/plan/estimate/test_memory_vs_deepspeed.py). Activations are counted tensor by tensor for
 our blocks (see activations.py). Everything else is a stated allowance.
+
+A fine-tune splits the parameters by role (finetune/roles.py): what trains gets a 16-bit weight, gradients and
+optimizer states, partitioned as DeepSpeed partitions what requires a gradient (stage_1_and_2.py and stage3.py
+build their groups from `requires_grad` parameters); what is frozen is only held, 16-bit or NF4, and only ZeRO-3
+partitions it (it partitions every parameter). Pretraining and full fine-tuning train everything: the same
+arithmetic with nothing frozen.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from adaptive.errors import AdaptiveError
@@ -22,10 +29,13 @@ from adaptive.plan.estimate.activations import (
 from adaptive.plan.estimate.attention import eager_extra_saved_bytes, eager_recompute_bytes
 from adaptive.plan.estimate.pipeline import in_flight
 from adaptive.plan.estimate.pipeline import partition as partition_stages
-from adaptive.plan.estimate.optimizers import step_transient_bytes
+from adaptive.plan.estimate.nvme import DEFAULT_DRIVE, NvmeDrive, NvmeEstimate, NvmeSetup, estimate_nvme, zero_tensors
+from adaptive.plan.estimate.optimizers import MASTER_BYTES, is_paged, state_bytes_per_param, step_transient_bytes
 from adaptive.plan.estimate.parallel import tp_activation_factor, tp_sharded_params
 from adaptive.plan.architecture.params import ParamCounts, count_params
 from adaptive.plan.architecture.presets import ModelSpec
+from adaptive.plan.finetune.method import Finetune
+from adaptive.plan.finetune.roles import ParamRoles, dequantized_bytes, param_roles, trains_everything
 from adaptive.record import record
 
 if TYPE_CHECKING:  # `adaptive fit` without --calibrate does not import it
@@ -85,6 +95,9 @@ class TrainSetup:
     zero_hpz: int = 1  # zero_hpz_partition_size (1: off)
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
+    finetune: Finetune | None = None  # None: pretraining; lora/qlora train adapters on a frozen base (roles.py)
+    offload_device: str = "cpu"  # where offloaded states go: "cpu", or "nvme" (ZeRO-Infinity, ZeRO-3 only)
+    nvme: NvmeDrive | None = None  # the drive, for offload_device "nvme" (nvme.py)
 
     @property
     def checkpointing(self) -> str:
@@ -133,6 +146,7 @@ class MemoryEstimate:
     peak_gpu_bytes: int  # persistent + max(backward, step) + fragmentation + CUDA context
     host_bytes_per_node: int  # CPU RAM the offloaded states need on each node (0 without offload)
     saved_bytes: int = 0  # what autograd holds at the end of forward (plain: the log-softmax included)
+    nvme_bytes_per_node: int = 0  # ZeRO-Infinity's swap files on each node's drive (nvme.py)
 
     @property
     def peak_phase(self) -> str:
@@ -145,9 +159,10 @@ class MemoryEstimate:
 
     @property
     def model_state_bytes(self) -> int:
-        """params + grads + optimizer (+ ZeRO-3 gathered layer): DeepSpeed's estimator's quantity."""
+        """params + grads + optimizer (+ ZeRO-3 gathered layer, + a fine-tune's frozen base): DeepSpeed's estimator's
+        quantity."""
         return sum(self.parts.get(k, 0) for k in ("params", "grads", "optimizer", "zero3_live_params",
-                                                  "hpz_secondary_params"))
+                                                  "hpz_secondary_params", "frozen_params"))
 
 
 def _sizes(setup: TrainSetup, c: ParamCounts) -> tuple[float, float]:
@@ -170,57 +185,118 @@ def _sizes(setup: TrainSetup, c: ParamCounts) -> tuple[float, float]:
     return local, partition
 
 
-def model_state_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> dict[str, int]:
-    """16-bit params, gradients and optimizer states per GPU, and the ZeRO-3 gathered layer.
+def trained_counts(setup: TrainSetup, counts: ParamCounts) -> ParamCounts:
+    """`counts` narrowed to what trains: all of it, or a fine-tune's adapters (the parameters with gradients and
+    optimizer states, which DeepSpeed partitions under ZeRO-1/2)."""
+    if trains_everything(setup.finetune):
+        return counts
+    roles = param_roles(setup.spec, setup.finetune)
+    return replace(counts, total=roles.trainable, expert=roles.trainable_expert)
 
-    DeepSpeed's accounting (its estimators, ZeRO paper), bytes per parameter: 2 for 16-bit params;
-    optimizer 12 = fp32 master 4 + Adam m 4 + v 4 over the partition; grads 6 over the partition for
-    ZeRO-1/2 (16-bit partition 2 + fp32 4), 4 for ZeRO-3 (the fp32 copy; the 16-bit partition is the
+
+def frozen_bytes_per_gpu(setup: TrainSetup, roles: ParamRoles) -> int:
+    """The frozen base one GPU holds: whole under ZeRO-0/1/2, its parameters partitioned under ZeRO-3 (the NF4
+    codes too, stored as 16-bit values for it: PEFT's DeepSpeed guide, bnb_4bit_quant_storage) while their
+    quantization state stays whole; with parameter offload the 16-bit base lives on the host."""
+    if not roles.frozen:
+        return 0
+    if setup.zero_stage < 3:
+        return roles.frozen_bytes
+    world = setup.world_size
+    sixteen = 0 if setup.offload_params else 2 * roles.frozen_16bit / world
+    return int(sixteen + roles.nf4_packed_bytes / world + roles.nf4_state_bytes)
+
+
+def model_state_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> dict[str, int]:
+    """16-bit params, gradients and optimizer states per GPU, the ZeRO-3 gathered layer and a fine-tune's frozen base.
+
+    DeepSpeed's accounting (its estimators, ZeRO paper), bytes per trained parameter: 2 for 16-bit params;
+    optimizer 12 = fp32 master 4 + Adam m 4 + v 4 over the partition (8-bit Adam: 4 + 2.03); grads 6 over the
+    partition for ZeRO-1/2 (16-bit partition 2 + fp32 4), 4 for ZeRO-3 (the fp32 copy; the 16-bit partition is the
     separate `zero3_grad_partition` part, which DeepSpeed's ZeRO-3 estimate leaves out); ZeRO-0
     keeps full 16-bit grads (2) and builds full fp32 grads (4) for the step. ZeRO-3 gathers up to
-    4 bytes x the largest layer.
+    4 bytes x the largest layer, frozen or not. A paged optimizer's states are counted apart
+    (`paged_optimizer_states`): they live in managed memory that pages to the host, outside the peak.
     """
     c = counts or count_params(setup.spec)
-    local, partition = _sizes(setup, c)
+    local, partition = _sizes(setup, trained_counts(setup, c))
     stage = setup.zero_stage
     live = 0.0
+    paged = is_paged(setup.optimizer)
+    per_param = MASTER_BYTES + (0 if paged else state_bytes_per_param(setup.optimizer))
+    updated = local if stage == 0 else partition
+    paged_states = state_bytes_per_param(setup.optimizer) * updated if paged else 0.0
     if stage == 0:
-        params, grads, optim = 2 * local, 6 * local, 12 * local
+        params, grads, optim = 2 * local, 6 * local, per_param * local
     elif stage in (1, 2):
-        params, grads, optim = 2 * local, 6 * partition, 12 * partition
+        params, grads, optim = 2 * local, 6 * partition, per_param * partition
     elif stage == 3:
-        params, grads, optim = 2 * partition, 4 * partition, 12 * partition
+        params, grads, optim = 2 * partition, 4 * partition, per_param * partition
         live = 4 * c.largest_layer / setup.tp_size  # AutoTP shards the largest module too
     else:
         raise ValueError(f"zero_stage must be 0-3, got {stage}")
     if setup.offload_optimizer:
-        # grads stream to the CPU in buckets; fp32 master, moments and grads live in host RAM
-        grads, optim = 0.0, 0.0
+        # grads stream to the CPU in buckets; fp32 master, moments and grads live in host RAM (or on NVMe)
+        grads, optim, paged_states = 0.0, 0.0, 0.0
     if setup.offload_params:
         params = 0.0  # ZeRO-3 fetches each layer from host RAM into the gathered-layer buffer
     # hpZ (ZeRO++): a secondary 16-bit copy of the parameters, partitioned over zero_hpz GPUs of a node,
     # that backward gathers from within the node (partition_parameters.py _partition_param_sec: param.dtype)
     secondary = 2 * local / setup.zero_hpz if stage == 3 and setup.zero_hpz > 1 and not setup.offload_params else 0.0
-    return {"params": int(params), "grads": int(grads), "optimizer": int(optim),
-            "zero3_live_params": int(live), "hpz_secondary_params": int(secondary)}
+    out = {"params": int(params), "grads": int(grads), "optimizer": int(optim),
+           "zero3_live_params": int(live), "hpz_secondary_params": int(secondary)}
+    if not trains_everything(setup.finetune):
+        out["frozen_params"] = frozen_bytes_per_gpu(setup, param_roles(setup.spec, setup.finetune))
+    if paged:
+        out["paged_optimizer_states"] = int(paged_states)
+    return out
 
 
 def host_bytes_per_node(setup: TrainSetup, counts: ParamCounts | None = None) -> int:
-    """Host RAM for offloaded states, DeepSpeed's estimator formulas (zero_init=True for ZeRO-3)."""
+    """Host RAM for offloaded states, DeepSpeed's estimator formulas (zero_init=True for ZeRO-3): per trained
+    parameter the fp32 master, the optimizer's states and the fp32 gradient (16 bytes with Adam), and with parameter
+    offload 2 bytes for every 16-bit parameter, frozen ones included."""
     if not (setup.offload_optimizer or setup.offload_params):
         return 0
-    c = counts or count_params(setup.spec)
+    if setup.offload_device == "nvme":  # pinned swap buffers and what DeepSpeed keeps in host RAM (nvme.py)
+        return nvme_estimate(setup).host_bytes_per_node
+    c = trained_counts(setup, counts or count_params(setup.spec))
     p = c.total
+    state = MASTER_BYTES + state_bytes_per_param(setup.optimizer) + 4  # master, moments, fp32 gradient
     if setup.zero_stage == 3:
-        per_param = 18 if setup.offload_params else 16
-        return int(p * per_param / setup.num_nodes * HOST_BUFFER_FACTOR)
+        held = state * p + (2 * (p + param_roles(setup.spec, setup.finetune).frozen_16bit) if setup.offload_params
+                            else 0)
+        return int(held / setup.num_nodes * HOST_BUFFER_FACTOR)
     # ZeRO-1/2 with optimizer offload: max(4 bytes x GPUs, 16) per param of a replica, the GPUs being the
     # group that replicates it (with AutoTP: per TP slice of P/tp params over its world/tp GPUs, tp slices).
     # Routed experts are replicated only over the expert-data-parallel group (ep_size times fewer GPUs):
     # each is one expert-parallel shard's, not every GPU's.
     expert_group = max(1, setup.zero_group_size // setup.ep_size)
-    per_replica = (p - c.expert) * max(4 * setup.zero_group_size, 16) + c.expert * max(4 * expert_group, 16)
+    per_replica = (p - c.expert) * max(4 * setup.zero_group_size, state) + c.expert * max(4 * expert_group, state)
     return int(per_replica * HOST_BUFFER_FACTOR / setup.num_nodes)
+
+
+def nvme_setup(setup: TrainSetup) -> NvmeSetup:
+    """The ZeRO-Infinity view of a setup that offloads to NVMe (what ds_config/nvme.py writes for it)."""
+    return _nvme_setup(setup.spec, setup.finetune, setup.zero_group_size, setup.gpus_per_node, setup.offload_params,
+                       setup.gradient_checkpointing)
+
+
+@lru_cache(maxsize=256)
+def _nvme_setup(spec: ModelSpec, finetune: Finetune | None, partition_size: int, ranks_per_node: int,
+                params_on_nvme: bool, recompute: bool) -> NvmeSetup:
+    return NvmeSetup(tensors=zero_tensors(spec, finetune), partition_size=partition_size,
+                     ranks_per_node=ranks_per_node, params_on_nvme=params_on_nvme, recompute=recompute)
+
+
+def nvme_estimate(setup: TrainSetup) -> NvmeEstimate:
+    """ZeRO-Infinity's host RAM, NVMe files and traffic for a setup that offloads to NVMe."""
+    return _nvme_estimate(nvme_setup(setup), setup.nvme or DEFAULT_DRIVE)
+
+
+@lru_cache(maxsize=256)
+def _nvme_estimate(s: NvmeSetup, drive: NvmeDrive) -> NvmeEstimate:
+    return estimate_nvme(s, drive)
 
 
 def reduce_bucket_elements(counts: ParamCounts) -> int:
@@ -229,9 +305,10 @@ def reduce_bucket_elements(counts: ParamCounts) -> int:
 
 
 def comm_buffer_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> int:
-    """DeepSpeed's communication buckets: ours are capped by the size of what they carry; a user's
-    ds_config's are allocated at the size it gives (DeepSpeed's `torch.empty(reduce_bucket_size)`)."""
-    c = counts or count_params(setup.spec)
+    """DeepSpeed's communication buckets: ours are capped by the size of what they carry (the trained parameters'
+    gradients, and under ZeRO-1/2 their updated 16-bit values); a user's ds_config's are allocated at the size it
+    gives (DeepSpeed's `torch.empty(reduce_bucket_size)`)."""
+    c = trained_counts(setup, counts or count_params(setup.spec))
     b = setup.bytes_per_param
     reduce_elems = setup.reduce_bucket_elements or reduce_bucket_elements(c)
     if setup.zero_stage in (1, 2):
@@ -255,7 +332,7 @@ def reduce_bucket_bytes(setup: TrainSetup, counts: ParamCounts | None = None) ->
     tests/plan/estimate/test_memory_measured_deepspeed_inputs.py."""
     if setup.zero_stage not in (1, 2):
         return 0
-    c = counts or count_params(setup.spec)
+    c = trained_counts(setup, counts or count_params(setup.spec))
     elements = setup.reduce_bucket_elements or reduce_bucket_elements(c)
     return int((2 if setup.overlap_comm else 1) * elements * setup.bytes_per_param)
 
@@ -322,7 +399,7 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
 def _assemble(setup: TrainSetup, counts: ParamCounts, saved: int, backward_peak: int, scores_saved: int,
               scores_recompute: int, has_loss: bool) -> MemoryEstimate:
     """The parts and the peak, given the activations one GPU holds (`counts`: the parameters it holds a share of)."""
-    local, partition = _sizes(setup, counts)
+    local, partition = _sizes(setup, trained_counts(setup, counts))
     parts = model_state_bytes(setup, counts)
     offload = setup.offload_optimizer
     parts["zero3_grad_partition"] = int(2 * partition) if setup.zero_stage == 3 and not offload else 0
@@ -345,6 +422,10 @@ def _assemble(setup: TrainSetup, counts: ParamCounts, saved: int, backward_peak:
     parts["logits_and_loss"] = loss
     parts["backward_transient"] = backward_peak - parts["activations"] - loss + scores_recompute
     parts["comm_buckets"] = comm_buffer_bytes(setup, counts)
+    # QLoRA: each 4-bit weight is dequantized to 16 bits for its matmul, forward and backward, one at a time
+    roles = param_roles(setup.spec, setup.finetune)
+    if roles.largest_4bit_linear:
+        parts["dequantized_weight"] = dequantized_bytes(roles.largest_4bit_linear, setup.bytes_per_param)
     # the optimizer's own temporaries during its step (foreach AdamW: an fp32 copy of what it updates)
     updated = local if setup.zero_stage == 0 else partition
     parts["optimizer_transient"] = step_transient_bytes(setup.optimizer, updated, offload)
@@ -370,9 +451,11 @@ def _assemble(setup: TrainSetup, counts: ParamCounts, saved: int, backward_peak:
     parts["accumulated_grads"] = held
     buckets_backward = reduce_bucket_bytes(setup, counts)  # ZeRO-1/2 reduce buckets: backward only
     persistent = (parts["params"] + parts["optimizer"] + parts["comm_buckets"] - buckets_backward
-                  + parts["zero3_grad_partition"] + parts["hpz_secondary_params"] + grads_persistent)
+                  + parts["zero3_grad_partition"] + parts["hpz_secondary_params"] + grads_persistent
+                  + parts.get("frozen_params", 0))
     backward = (parts["activations"] + parts["attention_scores"] + parts["logits_and_loss"]
-                + parts["backward_transient"] + parts["zero3_live_params"] + held + buckets_backward)
+                + parts["backward_transient"] + parts["zero3_live_params"] + held + buckets_backward
+                + parts.get("dequantized_weight", 0))
     if setup.zero_stage == 0 and not offload and not held:
         # ZeRO-0 builds the 16-bit gradients during backward; they are complete when it ends
         backward = max(backward, parts["params"])
@@ -400,7 +483,9 @@ def _assemble(setup: TrainSetup, counts: ParamCounts, saved: int, backward_peak:
     return MemoryEstimate(parts=parts, persistent_bytes=int(persistent), backward_bytes=int(backward),
                           step_bytes=int(step),
                           peak_gpu_bytes=int(allocated + parts["fragmentation"] + parts["cuda_context"]),
-                          host_bytes_per_node=host_bytes_per_node(setup, counts), saved_bytes=int(saved))
+                          host_bytes_per_node=host_bytes_per_node(setup, counts), saved_bytes=int(saved),
+                          nvme_bytes_per_node=nvme_estimate(setup).nvme_bytes_per_node if setup.offload_device == "nvme"
+                          else 0)
 
 
 def corrected(mem: MemoryEstimate, factor: float) -> MemoryEstimate:

@@ -15,7 +15,9 @@ One micro-batch on one GPU is a list of kernels, each timed by what bounds it:
 - a launch floor per kernel: no kernel takes less than the time to issue it from eager PyTorch, which is what
   bounds a tiny model.
 
-Checkpointing recomputes the forward of what it drops (all layers, every N-th, or the MLP halves). The figures
+Checkpointing recomputes the forward of what it drops (all layers, every N-th, or the MLP halves). A fine-tune's
+frozen linears skip their weight-gradient GEMM; LoRA adds its two thin GEMMs per target each way and the scaled add;
+QLoRA dequantizes each 4-bit weight before each of its matmuls (bytes: finetune/roles.py). The figures
 per GPU class, each with its source, are in hardware/kernel_figures.py. A software stack sustains a measured share
 of these kernel speeds over a whole run (`STACKS`).
 """
@@ -27,7 +29,10 @@ from functools import lru_cache
 
 from adaptive.plan.architecture.params import count_params
 from adaptive.plan.architecture.blocks import block_type
+from adaptive.plan.architecture.families import resolve_targets
 from adaptive.plan.architecture.presets import ModelSpec
+from adaptive.plan.finetune.method import Finetune
+from adaptive.plan.finetune.roles import NF4_BLOCK, param_roles
 from adaptive.plan.hardware.kernel_figures import KernelFigures
 from adaptive.record import record
 
@@ -85,6 +90,14 @@ FLASH_BWD_FLOPS = 2.5
 GRAD_ACCUM_BYTES_PER_PARAM = 6.0
 ADAM_BYTES_PER_PARAM = 34.0
 OPTIMIZER_KERNELS = 8  # multi-tensor-apply launches over flat buffers: norm, clip, step, copy (order of ten)
+# LoRA's `result + lora_B(lora_A(x)) * scaling`: the scale (read and write the B output) and the add (read two, write
+# one), 16-bit, per output value; backward about the same
+LORA_ELEMENTWISE_BYTES = 10.0
+LORA_KERNELS = 2
+# QLoRA: bitsandbytes' dequantize_4bit reads the packed codes (0.5 byte per weight) and the block absmaxes
+# (dequantized from bytes first) and writes the 16-bit weight
+DEQUANT_BYTES_PER_WEIGHT = 0.5 + 2.0 + (1 + 4 + 4) / NF4_BLOCK
+DEQUANT_KERNELS = 2
 
 
 @record
@@ -191,11 +204,31 @@ def _memory(nbytes: float, kernels: float, r: Rates) -> OpTimes:
     return OpTimes(memory_s=t, launch_s=extra, kernels=kernels)
 
 
+@record
+class LinearRole:
+    """How a fine-tune trains one linear layer: its weight trains (or is frozen), a LoRA adapter of `rank` on it,
+    its weight held in NF4."""
+
+    trains: bool = True
+    rank: int = 0
+    nf4: bool = False
+
+
+TRAINED = LinearRole()
+FROZEN = LinearRole(trains=False)
+
+
 def _linear(tokens: float, n_out: float, k_in: float, r: Rates, count: float = 1.0,
-            phases: tuple[str, ...] = ("fwd",), batch: float = 1) -> OpTimes:
-    """A linear layer's GEMMs: forward, or its two backward GEMMs; `count` separate kernels (experts in a loop),
-    each of `batch` products (attention's per-head matmuls in one batched kernel)."""
-    shapes = {"fwd": [(tokens, n_out, k_in)], "bwd": [(tokens, k_in, n_out), (n_out, k_in, tokens)]}
+            phases: tuple[str, ...] = ("fwd",), batch: float = 1, role: LinearRole = TRAINED) -> OpTimes:
+    """A linear layer's GEMMs: forward, or its two backward GEMMs (one when its weight is frozen); `count` separate
+    kernels (experts in a loop), each of `batch` products (attention's per-head matmuls in one batched kernel). A LoRA
+    adapter adds A (rank x in) and B (out x rank) each way and its scaled add; an NF4 weight is dequantized first."""
+    rank = role.rank
+    shapes = {"fwd": [(tokens, n_out, k_in)],
+              "bwd": [(tokens, k_in, n_out)] + ([(n_out, k_in, tokens)] if role.trains else [])}
+    if rank:
+        shapes["fwd"] += [(tokens, rank, k_in), (tokens, n_out, rank)]
+        shapes["bwd"] += [(tokens, rank, n_out), (n_out, rank, tokens), (tokens, k_in, rank), (rank, k_in, tokens)]
     out = OpTimes()
     for phase in phases:
         for m, n, k in shapes[phase]:
@@ -204,6 +237,10 @@ def _linear(tokens: float, n_out: float, k_in: float, r: Rates, count: float = 1
             t, extra = _timed(gemm_seconds(m, n, k, r, batch), 1, r)
             out = out + OpTimes(matmul_s=t * count, launch_s=extra * count, kernels=count,
                                 matmul_flops=2.0 * m * n * k * batch * count)
+        if rank:
+            out = out + _memory(LORA_ELEMENTWISE_BYTES * tokens * n_out * count, LORA_KERNELS * count, r)
+        if role.nf4:
+            out = out + _memory(DEQUANT_BYTES_PER_WEIGHT * n_out * k_in * count, DEQUANT_KERNELS * count, r)
     return out
 
 
@@ -226,6 +263,31 @@ class Work:
     capacity_factor: float
     kernels: str  # the elementwise ops' family: "lean" or "plain" (activations.py), "fused" or "native" (FWD above)
     attention: str  # "sdpa" (flash) or "eager"
+    finetune: Finetune | None = None  # None: every weight trains
+
+    def role(self, s: ModelSpec, linear: str) -> LinearRole:
+        """How this run trains a decoder block's linear: q, k, v, o, gate, up, down, or shared_* (Qwen2-MoE's
+        shared expert); routed experts and routers are frozen under LoRA, never adapted."""
+        ft = self.finetune
+        if ft is None or not ft.adapted:
+            return TRAINED
+        return LinearRole(trains=False, rank=ft.lora_rank if linear in _adapted(s, ft) else 0,
+                          nf4=ft.quantized and linear in _LINEARS)
+
+
+_LINEARS = ("q", "k", "v", "o", "gate", "up", "down", "shared_gate", "shared_up", "shared_down")
+_SHORT = {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "qkv_proj": ("q", "k", "v"), "o_proj": ("o",),
+          "gate_proj": ("gate",), "up_proj": ("up",), "gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
+
+
+@lru_cache(maxsize=256)
+def _adapted(s: ModelSpec, ft: Finetune) -> frozenset[str]:
+    """The block linears (as Work.role names them) that carry a LoRA adapter."""
+    out: set[str] = set()
+    for m in resolve_targets(s, ft.lora_targets):
+        prefix = "shared_" if m.role == "shared_expert" else ""
+        out.update(prefix + n for n in _SHORT.get(m.leaf, ()))
+    return frozenset(out)
 
 
 def _attention_half(s: ModelSpec, w: Work, tokens: float, seq: float, r: Rates,
@@ -233,8 +295,8 @@ def _attention_half(s: ModelSpec, w: Work, tokens: float, seq: float, r: Rates,
     h, q, kv = s.hidden_size, s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
     t = w.tp
     out = OpTimes()
-    for n_out, k_in in ((q / t, h), (kv / t, h), (kv / t, h), (h, q / t)):  # q, k, v, o (o row-parallel)
-        out = out + _linear(tokens, n_out, k_in, r, phases=(phase,))
+    for name, n_out, k_in in (("q", q / t, h), ("k", kv / t, h), ("v", kv / t, h), ("o", h, q / t)):  # o row-parallel
+        out = out + _linear(tokens, n_out, k_in, r, phases=(phase,), role=w.role(s, name))
     # attention: sequences of `seq` tokens, heads split by tp and sp (Ulysses gives each rank whole heads)
     heads = s.num_attention_heads / (t * w.sp)
     seqs = tokens * w.sp / seq  # sequences this GPU attends over (Ulysses gathers whole sequences)
@@ -262,22 +324,26 @@ def _mlp_half(s: ModelSpec, w: Work, tokens: float, experts: bool, r: Rates,
     k = (KERNELS_FWD if phase == "fwd" else KERNELS_BWD)[w.kernels]["mlp"]
     out = _memory(tokens * c["mlp_h"] * h, k - 2, r)
 
-    def swiglu(rows: float, f: float, count: float) -> OpTimes:
+    def swiglu(rows: float, f: float, count: float, prefix: str | None = "") -> OpTimes:
+        """prefix None: routed experts (frozen under LoRA, never adapted)."""
         o = OpTimes()
-        for n_out, k_in in ((f / t, h), (f / t, h), (h, f / t)):  # gate, up, down (row-parallel)
-            o = o + _linear(rows, n_out, k_in, r, count=count, phases=(phase,))
+        for name, n_out, k_in in (("gate", f / t, h), ("up", f / t, h), ("down", h, f / t)):  # down row-parallel
+            role = TRAINED if w.finetune is None or not w.finetune.adapted else (
+                FROZEN if prefix is None else w.role(s, prefix + name))
+            o = o + _linear(rows, n_out, k_in, r, count=count, phases=(phase,), role=role)
         return o + _memory(rows * count * c["swiglu"] * f / t, 2 * count, r)
 
     if not experts:
         return out + swiglu(tokens, s.intermediate_size, 1)
+    frozen = w.finetune is not None and w.finetune.adapted
     e_local = s.num_local_experts / w.ep
     slots = tokens * s.num_experts_per_tok * w.capacity_factor  # this GPU's tokens' slots, spread over EP ranks
     rows = slots / s.num_local_experts * w.ep  # each local expert's rows: all EP ranks' tokens for it
-    out = out + _linear(tokens, s.num_local_experts, h, r, phases=(phase,))  # router
+    out = out + _linear(tokens, s.num_local_experts, h, r, phases=(phase,), role=FROZEN if frozen else TRAINED)
     out = out + _memory(MOE_DISPATCH_BYTES_PER_SLOT_H[phase] * slots * h, MOE_ROUTER_KERNELS, r)
-    out = out + swiglu(rows, s.moe_intermediate_size, e_local)
+    out = out + swiglu(rows, s.moe_intermediate_size, e_local, None)
     if s.shared_expert_intermediate_size:
-        out = out + swiglu(tokens, s.shared_expert_intermediate_size, 1)
+        out = out + swiglu(tokens, s.shared_expert_intermediate_size, 1, "shared_")
     return out
 
 
@@ -305,17 +371,21 @@ def head_times(s: ModelSpec, w: Work, r: Rates, phase: str) -> OpTimes:
     """Embedding, final norm, LM head and loss; the lean loss recomputes its logits in backward."""
     h, v = s.hidden_size, s.vocab_size
     phases = ("fwd",) if phase == "fwd" else (("bwd", "fwd") if w.kernels == "lean" else ("bwd",))
-    out = _linear(w.tokens, v / w.tp, h, r, phases=phases)
+    frozen = w.finetune is not None and w.finetune.adapted  # LoRA: the LM head and the embedding table train not
+    out = _linear(w.tokens, v / w.tp, h, r, phases=phases, role=FROZEN if frozen else TRAINED)
     per_h, per_v = (HEAD_FWD if phase == "fwd" else HEAD_BWD)[w.kernels]
-    table = (HEAD_TABLE_FWD if phase == "fwd" else HEAD_TABLE_BWD)[w.kernels]
+    table = 0.0 if frozen and phase == "bwd" else (HEAD_TABLE_FWD if phase == "fwd" else HEAD_TABLE_BWD)[w.kernels]
     k = HEAD_KERNELS[w.kernels][0 if phase == "fwd" else 1]
     return out + _memory(w.tokens * (per_h * h + per_v * v / w.tp) + table * v * h / w.tp, k, r)
 
 
 def local_params(setup) -> float:
-    """Parameters one GPU holds whole before ZeRO partitions them: its experts (1/ep), its TP shards."""
+    """Trained parameters one GPU holds whole before ZeRO partitions them: its experts (1/ep), its TP shards; a
+    LoRA run's adapters."""
     from adaptive.plan.estimate.parallel import tp_sharded_params
 
+    if setup.finetune is not None and setup.finetune.adapted:
+        return float(param_roles(setup.spec, setup.finetune).trainable)
     counts = count_params(setup.spec)
     local = counts.total - counts.expert + counts.expert / setup.ep_size
     if setup.tp_size > 1:
@@ -328,7 +398,7 @@ def work_of(setup) -> Work:
     return Work(tokens=setup.tokens_per_micro_batch / setup.sp_size, seq=setup.seq_len, tp=setup.tp_size,
                 sp=setup.sp_size, ep=setup.ep_size, capacity_factor=setup.capacity_factor,
                 kernels=setup.elementwise or STACKS[setup.stack].elementwise or setup.kernels,
-                attention=setup.attention)
+                attention=setup.attention, finetune=setup.finetune)
 
 
 @lru_cache(maxsize=4096)

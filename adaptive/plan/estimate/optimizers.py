@@ -15,6 +15,17 @@ Names are the ones users know from transformers' `TrainingArguments.optim`, plus
   builds on a GPU): `multi_tensor_apply` updates in place, no temporaries.
 - `deepspeed_cpu_adam`: `DeepSpeedCPUAdam`, runs on the host; only with optimizer offload.
 
+- `adamw_8bit`: bitsandbytes' AdamW8bit: both moments as 8-bit codes in blocks of 256 values, each block with a
+  float32 absmax (bitsandbytes/optim/optimizer.py, Optimizer2State with block_wise=True): 2 + 8/256 bytes per
+  parameter instead of Adam's 8. The update runs in place, one kernel per tensor. DeepSpeed still keeps its fp32
+  master copy (4 bytes) and hands the optimizer that flat fp32 partition, a client optimizer under ZeRO (with
+  `zero_allow_untested_optimizer`). bitsandbytes keeps 32-bit moments for tensors under 4096 values: DeepSpeed's
+  flat partitions are far larger.
+- `paged_adamw_8bit`: the same states in CUDA managed memory (cudaMallocManaged): the driver moves their pages to
+  host RAM when the GPU runs short, so they never cause an out-of-memory error (PyTorch's allocator does not see
+  them) but cost transfers when they spill. Under optimizer offload the states are on the host already: use
+  adamw_8bit there.
+
 A DeepSpeed JSON with `"torch_adam": true` in its optimizer params builds torch AdamW instead of
 FusedAdam: on a GPU that is the foreach path, i.e. `adamw_torch`.
 """
@@ -24,6 +35,10 @@ from __future__ import annotations
 from adaptive.errors import AdaptiveError, closest
 
 FP32_BYTES = 4
+MASTER_BYTES = 4  # DeepSpeed's fp32 master copy of each trained parameter, whatever the optimizer
+ADAM_STATE_BYTES = 8  # fp32 m and v
+BNB_BLOCK = 256  # bitsandbytes' 8-bit optimizer block (one float32 absmax per block and state)
+EIGHT_BIT_STATE_BYTES = 2 + 2 * 4 / BNB_BLOCK  # two 8-bit moments and their absmaxes
 
 # name -> fp32 temporaries per updated parameter during the step (count of param-sized fp32 tensors)
 TRANSIENT_COPIES: dict[str, int] = {
@@ -32,8 +47,11 @@ TRANSIENT_COPIES: dict[str, int] = {
     "adamw_torch_fused": 0,
     "deepspeed_fused_adam": 0,
     "deepspeed_cpu_adam": 0,
+    "adamw_8bit": 0,  # bitsandbytes' blockwise kernels update in place
+    "paged_adamw_8bit": 0,
 }
 OPTIMIZERS = tuple(TRANSIENT_COPIES)
+EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit")  # bitsandbytes': a client optimizer DeepSpeed does not build
 
 DESCRIPTIONS: dict[str, str] = {
     "auto": "fused torch AdamW (DeepSpeedCPUAdam under offload), as adaptive's loop builds it",
@@ -41,6 +59,8 @@ DESCRIPTIONS: dict[str, str] = {
     "adamw_torch_fused": "torch AdamW fused=True: no temporaries",
     "deepspeed_fused_adam": "DeepSpeed FusedAdam: in place, no temporaries",
     "deepspeed_cpu_adam": "DeepSpeedCPUAdam on the host (optimizer offload)",
+    "adamw_8bit": "bitsandbytes AdamW8bit: 8-bit moments in blocks of 256 (2.03 bytes/param instead of 8)",
+    "paged_adamw_8bit": "bitsandbytes PagedAdamW8bit: 8-bit moments in managed memory that pages to the host",
 }
 
 
@@ -54,6 +74,16 @@ def check_optimizer(name: str) -> str:
     raise AdaptiveError(f"unknown --optimizer {name!r}{hint} (choose from {', '.join(OPTIMIZERS)})")
 
 
+def state_bytes_per_param(optimizer: str) -> float:
+    """Optimizer states per trained parameter beyond the fp32 master copy: Adam's two fp32 moments, or 8-bit ones."""
+    return EIGHT_BIT_STATE_BYTES if optimizer in EIGHT_BIT else ADAM_STATE_BYTES
+
+
+def is_paged(optimizer: str) -> bool:
+    """States in CUDA managed memory: they page to the host instead of running the GPU out of memory."""
+    return optimizer == "paged_adamw_8bit"
+
+
 def step_transient_bytes(optimizer: str, updated_params_on_gpu: float, offload_optimizer: bool) -> int:
     """GPU bytes the optimizer allocates during its step beyond states and gradients.
 
@@ -65,4 +95,5 @@ def step_transient_bytes(optimizer: str, updated_params_on_gpu: float, offload_o
     return int(TRANSIENT_COPIES[optimizer] * FP32_BYTES * updated_params_on_gpu)
 
 
-__all__ = ["OPTIMIZERS", "DESCRIPTIONS", "check_optimizer", "step_transient_bytes"]
+__all__ = ["ADAM_STATE_BYTES", "DESCRIPTIONS", "EIGHT_BIT", "MASTER_BYTES", "OPTIMIZERS", "check_optimizer",
+           "is_paged", "state_bytes_per_param", "step_transient_bytes"]

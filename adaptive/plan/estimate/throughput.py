@@ -22,7 +22,7 @@ from functools import lru_cache
 from adaptive.plan.architecture.blocks import block_type
 from adaptive.plan.hardware.figures import NCCL_BUS_EFFICIENCY
 from adaptive.plan.hardware.gpus import GPU, figures
-from adaptive.plan.estimate.memory import TrainSetup, reduce_bucket_elements
+from adaptive.plan.estimate.memory import TrainSetup, nvme_estimate, reduce_bucket_elements, trained_counts
 from adaptive.plan.estimate.op_times import (STACKS, OpTimes, local_params, micro_batch_times, optimizer_times,
                                              rates_of)
 from adaptive.plan.estimate.pipeline import bubble_fraction, p2p_bytes_per_micro_batch
@@ -31,6 +31,8 @@ from adaptive.plan.estimate.parallel import (QGZ_BYTES_PER_PARAM, QWZ_BYTES_PER_
                                     sp_alltoall_bytes_per_layer, tp_allreduce_bytes_per_layer)
 from adaptive.plan.architecture.params import count_params, expert_params, layer_params, mod_router_params
 from adaptive.plan.architecture.presets import ModelSpec
+from adaptive.plan.finetune.method import Finetune
+from adaptive.plan.finetune.roles import param_roles
 from adaptive.record import record
 
 # Stated assumptions (each one is printed with the plan in the JSON `assumptions` block).
@@ -72,13 +74,23 @@ class Throughput:
 
 
 @lru_cache(maxsize=1024)
-def model_flops_per_token(s: ModelSpec, seq_len: int) -> float:
+def model_flops_per_token(s: ModelSpec, seq_len: int, finetune: Finetune | None = None) -> float:
     """6 FLOPs per matmul parameter per token (fwd 2 + bwd 4), plus attention 12·s·width per layer.
 
     MoE counts the top-k experts; a MoD-routed block runs for a fraction c of tokens, and its
-    attention spans ceil(c·s) tokens. The input embedding is a lookup and costs nothing.
+    attention spans ceil(c·s) tokens. The input embedding is a lookup and costs nothing. LoRA and QLoRA need no
+    weight gradient for their frozen base: 4 FLOPs per frozen matmul parameter, 6 per adapter parameter.
     """
-    return 6.0 * s.vocab_size * s.hidden_size + sum(layer_flops_per_token(s, seq_len))  # LM head (tied or not)
+    full = 6.0 * s.vocab_size * s.hidden_size + sum(layer_flops_per_token(s, seq_len))  # LM head (tied or not)
+    if finetune is None or not finetune.adapted:
+        return full
+    attention = _attention_flops_per_token(s, seq_len)
+    return 4.0 * (full - attention) / 6.0 + 6.0 * param_roles(s, finetune).adapter + attention
+
+
+def _attention_flops_per_token(s: ModelSpec, seq_len: int) -> float:
+    """The attention matmuls' 12·s·width per layer (a fine-tuned decoder has no MoD-routed block)."""
+    return 12.0 * seq_len * s.num_attention_heads * s.head_dim * s.num_hidden_layers
 
 
 @lru_cache(maxsize=1024)
@@ -120,9 +132,14 @@ def recompute_fraction(s: ModelSpec, checkpointing: bool | str) -> float:
 
 
 @lru_cache(maxsize=4096)
-def hardware_flops_per_token(s: ModelSpec, seq_len: int, checkpointing: bool | str, capacity_factor: float) -> float:
+def hardware_flops_per_token(s: ModelSpec, seq_len: int, checkpointing: bool | str, capacity_factor: float,
+                             finetune: Finetune | None = None) -> float:
     """FLOPs the GPU really runs: MoE experts run on k·cf capacity slots per token, and checkpointing
     recomputes the layers' forward (a third of their training FLOPs) by `recompute_fraction`."""
+    if finetune is not None and finetune.adapted:  # the forward is the same; the adapters' forward comes on top
+        forward = ((model_flops_per_token(s, seq_len) - 6.0 * s.vocab_size * s.hidden_size) / 3.0
+                   + 2.0 * param_roles(s, finetune).adapter)
+        return model_flops_per_token(s, seq_len, finetune) + recompute_fraction(s, checkpointing) * forward
     flops = model_flops_per_token(s, seq_len)
     if s.is_moe and capacity_factor > 1.0:
         pad = (capacity_factor - 1.0) * s.num_experts_per_tok * 6.0 * expert_params(s)
@@ -166,14 +183,14 @@ def data_parallel_comm(setup: TrainSetup, gpu: GPU, grad_accum: int, fwd_micro: 
     n = setup.zero_group_size
     if n == 1:
         return 0.0, 0.0
-    counts = count_params(setup.spec)
+    counts = trained_counts(setup, count_params(setup.spec))
     b = setup.bytes_per_param
     ring = (n - 1) / n
     local = local_params(setup) * setup.pp_size  # the whole model's share (a pipeline plans its comm elsewhere)
     p16 = local * b
     gbps = collective_gbps(gpu, setup) * 1e9
     bucket = min(setup.reduce_bucket_elements or reduce_bucket_elements(counts), counts.total) * b
-    one = ring * p16 / gbps  # one reduce-scatter or all-gather of the 16-bit model
+    one = ring * p16 / gbps  # one reduce-scatter or all-gather of the 16-bit model (of what trains)
     last_bucket = ring * bucket / gbps
     if setup.zero_stage in (0, 1):
         allreduce = 2 * one
@@ -182,6 +199,9 @@ def data_parallel_comm(setup: TrainSetup, gpu: GPU, grad_accum: int, fwd_micro: 
         exposed = grad_accum * max(0.0, one - bwd_micro) + last_bucket + one
         return exposed, grad_accum * one + one
     gather = one * (QWZ_BYTES_PER_PARAM / b if setup.zero_quantized_weights else 1.0)
+    roles = param_roles(setup.spec, setup.finetune)
+    if roles.frozen:  # ZeRO-3 gathers a fine-tune's frozen base too (its NF4 codes as they are stored)
+        gather += ring * (2 * roles.frozen_16bit + roles.nf4_packed_bytes) / gbps
     bwd_gather = gather
     if setup.zero_hpz > 1:
         h = setup.zero_hpz
@@ -266,12 +286,11 @@ def pipeline_allreduce_seconds(setup: TrainSetup, gpu: GPU) -> float:
 def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float | None = None,
                         compute_scale: float = 1.0) -> Throughput:
     s = setup.spec
-    counts = count_params(s)
     n = setup.world_size
     b = setup.bytes_per_param
     tokens_step_gpu = setup.tokens_per_micro_batch * grad_accum
-    model_fpt = model_flops_per_token(s, setup.seq_len)
-    hw_fpt = hardware_flops_per_token(s, setup.seq_len, setup.checkpointing, setup.capacity_factor)
+    model_fpt = model_flops_per_token(s, setup.seq_len, setup.finetune)
+    hw_fpt = hardware_flops_per_token(s, setup.seq_len, setup.checkpointing, setup.capacity_factor, setup.finetune)
     # a model replica's tp x sp GPUs share its tokens' FLOPs (Ulysses splits attention by heads)
     hw_flops_gpu = tokens_step_gpu * hw_fpt / (setup.tp_size * setup.sp_size)
     slow = 1.0 / (PARAM_OFFLOAD_EFFICIENCY if setup.offload_params else 1.0)
@@ -312,10 +331,17 @@ def estimate_throughput(setup: TrainSetup, gpu: GPU, grad_accum: int, mfu: float
 
     offload = 0.0
     if setup.offload_optimizer:
-        partition = counts.total / n
+        trained = param_roles(s, setup.finetune).trainable
+        partition = trained / n
         copies = partition * (b + b) / (HOST_LINK_GBPS * 1e9)  # grads down, updated params up
-        adam = counts.total / setup.num_nodes / CPU_ADAM_PARAMS_PER_S
+        adam = trained / setup.num_nodes / CPU_ADAM_PARAMS_PER_S
         offload = copies + adam
+    if setup.offload_device == "nvme":
+        # ZeRO-Infinity: the optimizer step swaps its states in and out (no overlap: we write pipeline_read and
+        # pipeline_write off), and each micro-batch reads its NVMe-resident parameters, hidden only behind compute
+        nv = nvme_estimate(setup)
+        params_read = grad_accum * nv.micro_batch.seconds(nv.drive)
+        offload += nv.step.seconds(nv.drive) + max(0.0, params_read - micro_batches)
 
     bubble = p2p = 0.0
     if setup.pp_size > 1:

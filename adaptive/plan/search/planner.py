@@ -8,94 +8,50 @@ from __future__ import annotations
 import math
 from dataclasses import field, replace
 from functools import cached_property, lru_cache
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from adaptive.errors import AdaptiveError, closest, require_positive
 from adaptive.plan.estimate.activations import CHECKPOINTING, KERNELS, SELECTIVE_POLICIES, parse_checkpoint_policy
 from adaptive.plan.search.advice import OrchestratorAdvice, orchestrator_advice
+from adaptive.plan.search.finetune_rules import (finetune_error, finetune_rungs, offloads_for, stages_for,
+                                                 transformers_moe)
+from adaptive.plan.search.request import DeepSpeedBuckets, FitRequest
 from adaptive.plan.hardware.gpus import CATALOG, GPU
 from adaptive.plan.estimate.memory import MemoryEstimate, TrainSetup, corrected, estimate_memory
 from adaptive.plan.estimate.parallel import Layout, divisors_up_to, layout_error
 from adaptive.plan.architecture.params import ParamCounts, count_params
 from adaptive.plan.architecture.presets import PRESETS, ModelSpec, spec_from_shape
+from adaptive.plan.finetune import defaults as finetune_defaults
+from adaptive.plan.finetune.method import Finetune
+from adaptive.plan.finetune.roles import ParamRoles, param_roles
 from adaptive.plan.quality.hyperparams import Hyperparams, compute_optimal
-from adaptive.plan.quality.predict import LossModel, Quality, predict
+from adaptive.plan.quality.predict import Quality, predict
 from adaptive.plan.search.tight import TIGHT_MARGIN, deciding_part, is_tight
 from adaptive.plan.estimate.throughput import (Throughput, cost_usd, estimate_throughput, model_flops_per_token,
                                                train_hours)
 from adaptive.record import record
 
-if TYPE_CHECKING:  # a plain `adaptive fit` does not import it
+if TYPE_CHECKING:  # a plain `adaptive fit` does not import them
     from adaptive.plan.estimate.calibration import Calibration
+    from adaptive.plan.estimate.nvme import NvmeDrive
 
 OFFLOADS = ("none", "optimizer", "all")
+NVME_OFFLOADS = ("nvme", "nvme-optimizer")  # ZeRO-Infinity: optimizer states and parameters, or the states alone
+
+
+def offload_flags(offload: str) -> tuple[bool, bool, str]:
+    """(optimizer offloaded, parameters offloaded, device) of an --offload value."""
+    return (offload != "none", offload in ("all", "nvme"), "nvme" if offload in NVME_OFFLOADS else "cpu")
+
+
+def offload_name(setup: TrainSetup) -> str:
+    """The --offload value of a setup: none | optimizer | all | nvme | nvme-optimizer."""
+    if setup.offload_device == "nvme":
+        return "nvme" if setup.offload_params else "nvme-optimizer"
+    return "all" if setup.offload_params else "optimizer" if setup.offload_optimizer else "none"
 CHINCHILLA_TOKENS_PER_PARAM = 20
 MAX_MICRO_BATCH = 64
 HOST_MEM_PER_GPU_MEM = 3
-
-
-class DeepSpeedBuckets(Protocol):
-    """What the search reads of a user's DeepSpeed JSON (`ds_config.reader.DsConfigInput` is one): the
-    buffers DeepSpeed allocates from it. The knobs the file pins arrive as the request's own fields."""
-
-    reduce_bucket_elements: int
-    allgather_bucket_elements: int
-    prefetch_bucket_elements: int
-
-    def overlap_for(self, stage: int) -> bool: ...
-
-
-@record
-class FitRequest:
-    """What the user asked for. None means "let the planner choose"."""
-
-    spec: ModelSpec
-    gpu: GPU
-    gpus_per_node: int = 1
-    num_nodes: int = 1
-    seq_len: int = 2048
-    min_seq_len: int | None = None  # shorter sequences are tried only down to this
-    global_batch_tokens: int | None = None
-    train_tokens: float | None = None
-    zero_stage: int | None = None
-    offload: str | None = None  # none | optimizer | all
-    micro_batch_size: int | None = None
-    grad_accum: int | None = None
-    gradient_checkpointing: bool | None = None
-    ep_size: int | None = None
-    capacity_factor: float = 1.0
-    mfu: float | None = None
-    host_mem_bytes: int | None = None  # per node; default: 3x the node's GPU memory
-    calibration: Calibration | None = None  # measured activations (adaptive measure --save-calibration)
-    optimizer: str = "auto"  # optimizers.OPTIMIZERS: the step's transient memory by implementation
-    attention: str = "sdpa"  # sdpa | eager (eager keeps the score-sized tensors)
-    ds_config: DeepSpeedBuckets | None = None  # a user's DeepSpeed JSON: buckets, overlap_comm (pins are merged in)
-    peak_correction: float = 1.0  # measured/predicted allocated peak of a real run on this GPU (--calibrate RUN_DIR)
-    compute_scale: float = 1.0  # measured/modelled compute time of a real run on this GPU (--calibrate RUN_DIR)
-    calibrated: tuple[str, ...] = ()  # which figures are calibrated, and from what
-    calibration_source: str | None = None  # --calibrate: "calibration file PATH" or "run folder PATH"
-    kernels: str = "lean"  # lean: adaptive's models; plain: transformers' Llama-style ops (activations.py)
-    stack: str = "eager"  # time only (op_times.STACKS): eager PyTorch + DeepSpeed, fused, compiled
-    elementwise: str | None = None  # time only: a published run's elementwise ops ("native": GPT-2 under autocast)
-    # off | full | selective (the planner picks among SELECTIVE_POLICIES) | a pinned policy (mlp, every:N);
-    # None: gradient_checkpointing decides (None there too: the planner tries off, selective, full)
-    checkpointing: str | None = None
-    # beyond data parallelism (DeepSpeed): Ulysses sequence parallel, AutoTP tensor parallel, ZeRO++
-    sp_size: int | None = None
-    tp_size: int | None = None
-    pp_size: int | None = None  # DeepSpeed's pipeline engine: stages (estimate/pipeline.py)
-    zero_hpz: int | None = None  # zero_hpz_partition_size; 1 is off
-    zero_quantized_weights: bool | None = None
-    zero_quantized_gradients: bool | None = None
-    # what the run buys: the law that predicts its loss (None: the default published law), the dataset's unique
-    # tokens (None: unknown, taken as never repeated), and a pinned peak learning rate
-    loss_model: LossModel | None = None
-    unique_tokens: float | None = None
-    lr: float | None = None
-
-    @property
-    def world_size(self) -> int:
-        return self.gpus_per_node * self.num_nodes
 
 
 @record
@@ -152,6 +108,8 @@ class Plan:
     searched: int = 0
     quality: Quality | None = None  # the predicted final loss (quality.predict)
     hyperparams: Hyperparams | None = None  # DeepSeek LLM's compute-optimal batch and learning rate for this run
+    roles: ParamRoles | None = None  # trainable and frozen parameters (a fine-tune's split; all trainable otherwise)
+    quality_note: str | None = None  # why no loss is predicted (a fine-tune)
 
     @property
     def fits(self) -> bool:
@@ -211,11 +169,11 @@ def validate(req: FitRequest) -> None:
         raise AdaptiveError(f"--mfu is a fraction of peak and must be at most 1, got {req.mfu}")
     if req.zero_stage is not None and req.zero_stage not in (0, 1, 2, 3):
         raise AdaptiveError(f"--zero must be 0, 1, 2 or 3, got {req.zero_stage}")
-    if req.offload is not None and req.offload not in OFFLOADS:
-        raise AdaptiveError(f"--offload must be one of {', '.join(OFFLOADS)}, got {req.offload!r}")
+    if req.offload is not None and req.offload not in OFFLOADS + NVME_OFFLOADS:
+        raise AdaptiveError(f"--offload must be one of {', '.join(OFFLOADS + NVME_OFFLOADS)}, got {req.offload!r}")
     if req.offload == "all" and req.zero_stage not in (None, 3):
         raise AdaptiveError(f"--offload all offloads parameters, which needs ZeRO-3, not --zero {req.zero_stage}")
-    if req.offload in ("optimizer", "all") and req.zero_stage == 0:
+    if req.offload not in (None, "none") and req.zero_stage == 0:
         raise AdaptiveError("--offload needs ZeRO stage 1 or higher; --zero 0 has no partitioned optimizer")
     if req.checkpointing is not None and req.checkpointing not in CHECKPOINTING:
         try:
@@ -237,7 +195,9 @@ def validate(req: FitRequest) -> None:
         raise AdaptiveError(f"--seq-len {req.seq_len} is far beyond the model's "
                             f"max_position_embeddings ({req.spec.max_position_embeddings})")
     s = req.spec
-    if s.is_moe:
+    if err := finetune_error(req):
+        raise AdaptiveError(err)
+    if s.is_moe and not transformers_moe(req):
         if req.zero_stage == 3:
             raise AdaptiveError("--zero 3 is impossible for MoE: DeepSpeed's native MoE refuses ZeRO stage 3; use --zero 2")
         if req.ep_size is not None:
@@ -304,7 +264,7 @@ def sequence_candidates(req: FitRequest) -> list[int]:
 
 def ep_candidates(req: FitRequest) -> list[int]:
     s = req.spec
-    if not s.is_moe:
+    if not s.is_moe or transformers_moe(req):
         return [1]
     if req.ep_size is not None:
         return [req.ep_size]
@@ -324,6 +284,8 @@ def model_parallel_layouts(req: FitRequest) -> list[Layout]:
     pp = req.pp_size or 1  # the pipeline's stages are searched one size at a time (search)
     sps = [req.sp_size] if req.sp_size else [1] if pp > 1 else divisors_up_to(req.world_size,
                                                                             req.spec.num_attention_heads)
+    if req.adapted:  # LoRA and QLoRA: ZeRO data parallelism only (finetune_rules.py)
+        tps, sps = [1], [1]
     out = [Layout(tp=t, sp=p, pp=pp) for t in tps for p in sps if _layout_ok(req, Layout(tp=t, sp=p, pp=pp))]
     return sorted(out, key=lambda lay: (lay.degree, lay.sp))  # TP first at a degree: intra-node by construction
 
@@ -341,7 +303,7 @@ def layout_candidates(req: FitRequest, samples: int) -> list[Layout]:
 def zeropp_variants(req: FitRequest, zero: int, layout: Layout) -> list[Layout]:
     """ZeRO++ settings to try with a layout: pinned ones as given; free ones, with ZeRO-3 across nodes, also
     hpZ over the node and int8 weights with int4 gradients (they only pay when gathers cross nodes)."""
-    if zero != 3:
+    if zero != 3 or req.adapted:
         return [layout]
     across = req.num_nodes > 1
     hpzs = [req.zero_hpz] if req.zero_hpz is not None else [1, req.gpus_per_node] if across else [1]
@@ -364,14 +326,12 @@ def zero_offload_candidates(req: FitRequest) -> list[tuple[int, str]]:
     stages = [req.zero_stage] if req.zero_stage is not None else [0, 1, 2, 3]
     if (req.zero_hpz or 1) > 1 or req.zero_quantized_weights or req.zero_quantized_gradients:
         stages = [3]  # ZeRO++ pinned: only ZeRO-3 runs it
-    if req.spec.is_moe:
-        stages = [z for z in stages if z != 3]
     out = []
-    for z in stages:
-        for off in ([req.offload] if req.offload else OFFLOADS):
-            if off == "all" and z != 3:
+    for z in stages_for(req, stages):
+        for off in offloads_for(req, z, OFFLOADS):
+            if off in ("all", *NVME_OFFLOADS) and z != 3:
                 continue
-            if off == "optimizer" and z == 0:
+            if off != "none" and z == 0:
                 continue
             if off == "none" and req.optimizer == "deepspeed_cpu_adam":
                 continue  # DeepSpeedCPUAdam runs only on offloaded states
@@ -409,7 +369,8 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
     policy = ("full" if ckpt else "off") if isinstance(ckpt, bool) else ckpt
     setup, memory = _setup_and_memory(spec, seq, micro, zero, offload, policy, ep, accum, layout, req.gpus_per_node,
                                       req.num_nodes, req.capacity_factor, req.calibration, req.optimizer,
-                                      req.attention, not req.gpu.bf16, req.kernels, req.ds_config, req.stack, req.elementwise)
+                                      req.attention, not req.gpu.bf16, req.kernels, req.ds_config, req.stack, req.elementwise,
+                                      req.finetune, req.nvme if offload in NVME_OFFLOADS else None)
     mem = corrected(memory, req.peak_correction)
     return Candidate(setup=setup, memory=mem, fits_gpu=mem.peak_gpu_bytes <= req.gpu.memory_bytes,
                      fits_host=mem.host_bytes_per_node <= host_mem, gpu=req.gpu, mfu=req.mfu,
@@ -421,15 +382,18 @@ def _setup_and_memory(spec: ModelSpec, seq: int, micro: int, zero: int, offload:
                       accum: int, layout: Layout, gpus_per_node: int, num_nodes: int, capacity_factor: float,
                       calibration: Calibration | None, optimizer: str, attention: str, fp16: bool, kernels: str,
                       ds: DeepSpeedBuckets | None, stack: str = "eager",
-                      elementwise: str | None = None) -> tuple[TrainSetup, MemoryEstimate]:
+                      elementwise: str | None = None, finetune: Finetune | None = None,
+                      nvme: NvmeDrive | None = None) -> tuple[TrainSetup, MemoryEstimate]:
     """A candidate's setup and its memory, which does not depend on the GPU it is planned for (its precision is
     in the setup): "what would fit" searches GPU after GPU over the same setups, so each is built and estimated
     once (both are pure functions of these arguments)."""
     buckets = {} if ds is None else dict(
         reduce_bucket_elements=ds.reduce_bucket_elements, allgather_bucket_elements=ds.allgather_bucket_elements,
         prefetch_bucket_elements=ds.prefetch_bucket_elements, overlap_comm=ds.overlap_for(zero))
+    offload_optimizer, offload_params, device = offload_flags(offload)
     setup = TrainSetup(spec=spec, seq_len=seq, micro_batch_size=micro, zero_stage=zero,
-                       offload_optimizer=offload in ("optimizer", "all"), offload_params=offload == "all",
+                       offload_optimizer=offload_optimizer, offload_params=offload_params, offload_device=device,
+                       finetune=finetune, nvme=nvme,
                        gradient_checkpointing=policy == "full", gpus_per_node=gpus_per_node,
                        num_nodes=num_nodes, ep_size=ep, capacity_factor=capacity_factor,
                        calibration=calibration, gradient_accumulation_steps=accum, optimizer=optimizer,
@@ -461,7 +425,9 @@ def _preference(c: Candidate) -> tuple:
 
 
 def pp_candidates(req: FitRequest) -> list[int]:
-    """Pipeline sizes to try: each divisor of the GPUs from 2 up to the decoder layers (and 64)."""
+    """Pipeline sizes to try: each divisor of the GPUs from 2 up to the decoder layers (and 64); none for LoRA."""
+    if req.adapted:
+        return []
     return [p for p in divisors_up_to(req.world_size, min(req.spec.num_hidden_layers, 64)) if p > 1]
 
 
@@ -543,17 +509,23 @@ def _search_layouts(req: FitRequest, spec: ModelSpec, global_tokens: int, host_m
     return None, evaluated
 
 
+def selective_policies(req: FitRequest) -> tuple[str, ...]:
+    """The selective policies the model class runs: transformers' classes checkpoint whole layers
+    (`every_n_layers`), so "mlp" (half of each layer) is adaptive's classes' alone."""
+    return tuple(p for p in SELECTIVE_POLICIES if p != "mlp" or req.kernels != "plain")
+
+
 def checkpointing_candidates(req: FitRequest) -> list[str]:
     """Policies to try, cheapest recompute first: off, the selective ones, full (the OOM ladder's order)."""
     if req.checkpointing == "selective":
-        return list(SELECTIVE_POLICIES)
+        return list(selective_policies(req))
     if req.checkpointing is not None:
         return [req.checkpointing]
     if req.gradient_checkpointing is not None:
         return ["full" if req.gradient_checkpointing else "off"]
     if req.calibration is not None:  # a calibration file measures off and full only
         return ["off", "full"]
-    return ["off", *SELECTIVE_POLICIES, "full"]
+    return ["off", *selective_policies(req), "full"]
 
 
 def _closeness(c: Candidate) -> tuple:
@@ -564,18 +536,19 @@ def _closeness(c: Candidate) -> tuple:
 
 
 def ladder(req: FitRequest, chosen: Candidate, global_tokens: int, host_mem: int) -> tuple[LadderStep, ...]:
-    """The OOM playbook with our numbers: the naive config, then each remedy added in order."""
+    """The OOM playbook with our numbers: the naive config, then each remedy added in order. A fine-tune's adds, after
+    checkpointing: an 8-bit optimizer, LoRA, QLoRA, and a full fine-tune with NVMe offload instead."""
     s = chosen.setup
     zero = s.zero_stage
-    off = "all" if s.offload_params else "optimizer" if s.offload_optimizer else "none"
+    off = offload_name(s)
 
     # the naive rung runs without SP (unless pinned): SP is a remedy of its own, before a shorter sequence
     base = Layout(tp=s.tp_size, sp=req.sp_size or 1, hpz=s.zero_hpz, qwz=s.zero_quantized_weights,
                   qgz=s.zero_quantized_gradients, pp=s.pp_size)
 
-    def step(change: str, spec: ModelSpec, seq: int, ckpt: bool | str, layout: Layout = base) -> LadderStep:
-        c = evaluate(req, spec, seq, 1, zero, off, ckpt, s.ep_size if spec.is_moe else 1, global_tokens, host_mem,
-                     layout)
+    def step(change: str, spec: ModelSpec, seq: int, ckpt: bool | str, layout: Layout = base, r: FitRequest = req,
+             z: int = zero, o: str = off) -> LadderStep:
+        c = evaluate(r, spec, seq, 1, z, o, ckpt, s.ep_size if spec.is_moe else 1, global_tokens, host_mem, layout)
         return LadderStep(change, c.memory.peak_gpu_bytes, c.fits, c.fits_gpu)
 
     spec = req.spec
@@ -583,23 +556,28 @@ def ladder(req: FitRequest, chosen: Candidate, global_tokens: int, host_mem: int
     mp += f", pp {base.pp}" if base.pp > 1 else ""
     steps = [step(f"naive: micro-batch 1, seq {req.seq_len}, no checkpointing, ZeRO-{zero}"
                   + (f" + offload {off}" if off != "none" else "") + mp, spec, req.seq_len, False)]
-    selective = () if req.calibration is not None else SELECTIVE_POLICIES  # calibrated: off and full only
+    selective = () if req.calibration is not None else selective_policies(req)  # calibrated: off and full only
     remedies = [(f"+ selective checkpointing ({policy})", spec, req.seq_len, policy) for policy in selective]
     remedies.append(("+ gradient checkpointing", spec, req.seq_len, True))
     if spec.is_moe and spec.name in PRESETS:
         spec = spec_from_shape(PRESETS[spec.name], "mod")
         remedies.append(("+ MoD instead of MoE", spec, req.seq_len, True))
-    remedies = [(*r, base) for r in remedies]
-    if rung := sp_rung(req, spec, base, lambda lay: step("", spec, req.seq_len, True, lay)):
-        remedies.append((f"+ sequence parallel, sp {rung.sp} (the whole sequence kept)", spec, req.seq_len, True,
-                         rung))
+    rungs = [(*r, base, req, zero, off) for r in remedies]
+    last = (req, zero, off)
+    for change, variant, z, o in finetune_rungs(req, zero, off):
+        rungs.append((change, spec, req.seq_len, True, base, variant, z, o))
+        if not change.startswith("instead"):
+            last = (variant, z, o)
+    if rung := sp_rung(last[0], spec, base, lambda lay: step("", spec, req.seq_len, True, lay, *last)):
+        rungs.append((f"+ sequence parallel, sp {rung.sp} (the whole sequence kept)", spec, req.seq_len, True,
+                      rung, *last))
     for frac in (0.75, 0.5):  # remedies add up: a shorter sequence keeps the SP rung's split
         seq = max(64, int(req.seq_len * frac) // 64 * 64)
         if seq < req.seq_len:
             layout = rung if rung and seq % rung.sp == 0 else base
-            remedies.append((f"+ sequence {seq}", spec, seq, True, layout))
-    for change, spec, seq, ckpt, layout in remedies:
-        s_ = step(change, spec, seq, ckpt, layout)
+            rungs.append((f"+ sequence {seq}", spec, seq, True, layout, *last))
+    for change, spec, seq, ckpt, layout, r, z, o in rungs:
+        s_ = step(change, spec, seq, ckpt, layout, r, z, o)
         # a remedy that no longer lowers the peak (model states dominate) is left out
         if s_.peak_gpu_bytes < steps[-1].peak_gpu_bytes:
             steps.append(s_)
@@ -621,18 +599,24 @@ def sp_rung(req: FitRequest, spec: ModelSpec, base: Layout, peak_at) -> Layout |
     return replace(base, sp=sizes[-1]) if sizes else None
 
 
+FINETUNE_QUALITY_NOTE = ("no loss is predicted for a fine-tune: the scaling laws here describe pretraining from "
+                         "scratch, and a fine-tune's loss depends on its checkpoint and its data")
+
+
 def fit(req: FitRequest, suggest: bool = True) -> Plan:
     """Plan a run. Raises AdaptiveError for impossible requests; a plan that does not fit is a
     result (fits=False with suggestions, unless `suggest` is off), not an error."""
     validate(req)
     counts = count_params(req.spec)
-    global_tokens = req.global_batch_tokens or default_global_batch_tokens(counts.active)
+    ft = req.finetune
+    global_tokens = req.global_batch_tokens or (finetune_defaults.global_batch_tokens(ft, req.seq_len) if ft
+                                                else default_global_batch_tokens(counts.active))
     if global_tokens < req.seq_len:
         raise AdaptiveError(f"--global-batch-tokens ({global_tokens}) must be at least one sequence ({req.seq_len})")
     if req.global_batch_tokens is not None:
         check_batch_pins(req)
     host_mem = host_mem_for(req)
-    train_tokens = req.train_tokens or CHINCHILLA_TOKENS_PER_PARAM * counts.active
+    train_tokens = req.train_tokens or (finetune_tokens(req) if ft else CHINCHILLA_TOKENS_PER_PARAM * counts.active)
     best, evaluated = search(req, req.spec, global_tokens, host_mem)
     if not evaluated:
         raise AdaptiveError(f"nothing DeepSpeed can run takes these pins: {req.global_batch_tokens or global_tokens} "
@@ -641,12 +625,29 @@ def fit(req: FitRequest, suggest: bool = True) -> Plan:
     hours = train_hours(train_tokens, closest.throughput.tokens_per_second)
     advice = orchestrator_advice(req.spec, counts, req.world_size, hours)
     suggestions = what_would_fit(req, global_tokens, evaluated) if suggest and not best else ()
+    if ft:
+        quality, hyper, note = None, finetune_hyperparams(ft, global_tokens), FINETUNE_QUALITY_NOTE
+    else:
+        quality = predict(req.spec, counts, train_tokens, req.loss_model, req.unique_tokens, req.seq_len)
+        hyper, note = hyperparams_for(req.spec, train_tokens, req.seq_len), None
     return Plan(request=req, counts=counts, best=best, closest=closest,
                 ladder=ladder(req, closest, global_tokens, host_mem), train_tokens=train_tokens,
                 global_batch_tokens=global_tokens, host_mem_bytes=host_mem, orchestrator=advice,
-                suggestions=suggestions, searched=len(evaluated),
-                quality=predict(req.spec, counts, train_tokens, req.loss_model, req.unique_tokens, req.seq_len),
-                hyperparams=hyperparams_for(req.spec, train_tokens, req.seq_len))
+                suggestions=suggestions, searched=len(evaluated), quality=quality, hyperparams=hyper,
+                roles=param_roles(req.spec, ft), quality_note=note)
+
+
+def finetune_tokens(req: FitRequest) -> float:
+    """A fine-tune's training tokens: its dataset's tokens (--dataset-tokens) times --epochs."""
+    dataset = req.unique_tokens or finetune_defaults.DEFAULT_DATASET_TOKENS
+    return dataset * (req.epochs or finetune_defaults.DEFAULT_EPOCHS)
+
+
+def finetune_hyperparams(ft: Finetune, global_tokens: int) -> Hyperparams:
+    """The published recipe's batch and learning rate (finetune/defaults.py), where a pretraining plan offers DeepSeek
+    LLM's compute-optimal ones."""
+    r = finetune_defaults.recipe(ft)
+    return Hyperparams(global_batch_tokens=global_tokens, lr=r.lr, flops=0.0, extrapolated=False, source=r.source)
 
 
 def hyperparams_for(spec: ModelSpec, train_tokens: float, seq_len: int) -> Hyperparams:
@@ -657,14 +658,16 @@ def hyperparams_for(spec: ModelSpec, train_tokens: float, seq_len: int) -> Hyper
 
 def what_would_fit(req: FitRequest, global_tokens: int,
                    evaluated: list[Candidate] | None = None) -> tuple[str, ...]:
-    """When nothing fits: more GPUs of this type, a larger GPU, MoD instead of MoE, a shorter sequence.
-    `evaluated`: the request's own search, when the caller has it (saves running it again)."""
+    """When nothing fits: a fine-tune's next rungs (8-bit optimizer, LoRA, QLoRA, NVMe offload), more GPUs of this
+    type, a larger GPU, MoD instead of MoE, a shorter sequence. `evaluated`: the request's own search, when the caller
+    has it (saves running it again)."""
     out = []
     gpu_only = [c for c in (evaluated if evaluated is not None else search_all(req, global_tokens)) if c.fits_gpu]
     free = replace(req, zero_stage=None, offload=None, micro_batch_size=None, grad_accum=None,
                    gradient_checkpointing=None, checkpointing=None, ep_size=None, min_seq_len=None,
                    tp_size=None, pp_size=1, zero_hpz=None, zero_quantized_weights=None, zero_quantized_gradients=None,
                    sp_size=req.sp_size or 1)  # hints search TP, not SP: the ladder shows the SP rung
+    out += finetune_alternatives(req, free, global_tokens)
     for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
         if n <= req.world_size:
             continue
@@ -707,6 +710,26 @@ def what_would_fit(req: FitRequest, global_tokens: int,
     return tuple(out)
 
 
+def finetune_alternatives(req: FitRequest, free: FitRequest, global_tokens: int) -> list[str]:
+    """A fine-tune's rungs (finetune_rules.finetune_rungs), each planned on its own on these GPUs at its method's
+    default batch: every one that fits, with its peak, speed and cost for the run's tokens."""
+    out = []
+    tokens = req.train_tokens or finetune_tokens(req)
+    for change, variant, _, offload in finetune_rungs(req, 0, "none"):
+        nvme = offload == "nvme"
+        trial = replace(variant, zero_stage=3 if nvme else None, offload="nvme" if nvme else None,
+                        micro_batch_size=None, grad_accum=None, gradient_checkpointing=None, checkpointing=None,
+                        min_seq_len=None)
+        batch = req.global_batch_tokens or finetune_defaults.global_batch_tokens(variant.finetune, req.seq_len)
+        if not (best := _best(trial, batch)):
+            continue
+        hours = train_hours(tokens, best.throughput.tokens_per_second)
+        what = change.removeprefix("+ ").removeprefix("instead: ")
+        out.append(f"{what}: {describe(best)}, {best.throughput.tokens_per_second:,.0f} tokens/s, "
+                   f"${cost_usd(hours, req.world_size, req.gpu.price_per_hour):,.2f} for {tokens / 1e6:,.0f}M tokens")
+    return out
+
+
 def search_all(req: FitRequest, global_tokens: int) -> list[Candidate]:
     return search(req, req.spec, global_tokens, host_mem_for(req))[1]
 
@@ -720,7 +743,8 @@ def _best(req: FitRequest, global_tokens: int) -> Candidate | None:
 def describe(c: Candidate) -> str:
     """A one-line summary of a candidate: "ZeRO-2 + offload optimizer, micro-batch 2 x 64, ..." """
     s = c.setup
-    off = " + offload all" if s.offload_params else " + offload optimizer" if s.offload_optimizer else ""
+    name = offload_name(s)
+    off = "" if name == "none" else f" + offload {name}"
     ckpt = {"off": "", "full": ", checkpointing"}.get(s.checkpointing, f", selective checkpointing {s.checkpointing}")
     ep = f", ep_size {s.ep_size}" if s.spec.is_moe else ""
     mp = (f", tp {s.tp_size}" if s.tp_size > 1 else "") + (f", sp {s.sp_size}" if s.sp_size > 1 else "")
