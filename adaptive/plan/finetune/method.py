@@ -7,8 +7,9 @@ bitsandbytes holds in NF4 with double quantisation (Dettmers et al. 2023), compu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from adaptive.errors import AdaptiveError
-from adaptive.record import record
 
 METHODS = ("full", "lora", "qlora")
 DEFAULT_LORA_RANK = 16
@@ -16,7 +17,7 @@ DEFAULT_LORA_TARGETS = "all-linear"  # PEFT's word for every nn.Linear but the o
 DEFAULT_LORA_DROPOUT = 0.0  # PEFT's LoraConfig default
 
 
-@record
+@dataclass(frozen=True)  # hashed on the planner's hot path (param_roles' cache key): a compiled __hash__
 class Finetune:
     """How a fine-tune trains its model. `lora_*` apply to lora and qlora."""
 

@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from adaptive.errors import AdaptiveError
-from adaptive.plan.architecture.hf_config import DENSE_TYPES, read_config_json
+from adaptive.plan.architecture.hf_config import read_config_json
 
 logger = logging.getLogger(__name__)
 
-SOURCE_TYPES = (*DENSE_TYPES, "mixtral", "adaptive")
+# what our own classes load (adaptive/models/init_from.py maps their names); the other transformers families of
+# plan/architecture/families.py are planned, not loaded into our classes
+SOURCE_TYPES = ("llama", "mistral", "qwen2", "mixtral", "adaptive")
 # the single-file names first; a sharded checkpoint has an index naming its shards
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
