@@ -87,14 +87,21 @@ def family_of(spec: ModelSpec) -> Family:
 
 @record
 class LinearModule:
-    """One kind of nn.Linear in a model: its name inside a decoder layer (or at the top), its shape, how many."""
+    """One kind of nn.Linear in a model: its name inside a decoder layer (or at the top), its shape, how many. As a
+    LoRA target it may also be a parameter PEFT adapts in place (a router's weight, 3D experts: `experts` of them)."""
 
-    name: str  # "self_attn.q_proj", "mlp.down_proj", "mlp.shared_expert.gate_proj", "lm_head"
+    name: str  # "self_attn.q_proj", "mlp.down_proj", "mlp.shared_expert.gate_proj", "lm_head", "mlp.experts.down_proj"
     in_features: int
     out_features: int
     count: int  # modules of this kind in the model
     bias: bool = False
-    role: str = "attention"  # attention | mlp | shared_expert | head
+    role: str = "attention"  # attention | mlp | shared_expert | head | router | experts (the last two: parameters)
+    experts: int = 1  # a 3D expert parameter: PEFT's adapter has rank x experts rows (lora/layer.py ParamWrapper)
+    rank_factor: int = 1  # PEFT doubles rank and alpha on a fused gate_up_proj (two transformers 4 targets in one)
+
+    def adapter_params(self, rank: int) -> int:
+        """PEFT's LoRA A and B on this target: rank x (in + out), per expert, per module."""
+        return self.count * rank * self.rank_factor * self.experts * (self.in_features + self.out_features)
 
     @property
     def leaf(self) -> str:
@@ -147,30 +154,62 @@ def linear_modules(spec: ModelSpec) -> tuple[LinearModule, ...]:
 # --lora-targets: PEFT's own words, and ours for the attention's linears
 TARGET_ALIASES = ("all-linear", "attention")
 
+# PEFT 0.21 on transformers 5's fused MoE classes (peft/utils/transformers_weight_conversion.py, _MOE_TARGET_MODULE_
+# MAPPING): the targets transformers 4 named (the router "gate", each expert's projections) become target_parameters on
+# the router's weight and the 3D experts, and "all-linear" includes them. Mixtral, and Qwen3-MoE through its
+# Qwen2-MoE pattern; Qwen2-MoE itself has no pattern there, so LoRA reaches its nn.Linear modules only.
+PEFT_MOE_TARGETS = {
+    "mixtral": {"gate": "router", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
+    "qwen3_moe": {"gate": "router", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"},
+}
+
+
+def _moe_sites(spec: ModelSpec) -> dict[str, LinearModule]:
+    """The parameters PEFT adapts in a fused MoE block, by what PEFT_MOE_TARGETS maps to: the router's [E, h] weight,
+    gate_up_proj [E, 2f, h] (rank and alpha doubled: two transformers 4 targets fused) and down_proj [E, h, f]."""
+    h, f, e, n = spec.hidden_size, spec.moe_intermediate_size, spec.num_local_experts, spec.num_moe_layers
+    return {"router": LinearModule("mlp.gate", h, e, n, role="router"),
+            "gate_up_proj": LinearModule("mlp.experts.gate_up_proj", h, 2 * f, n, role="experts", experts=e,
+                                         rank_factor=2),
+            "down_proj": LinearModule("mlp.experts.down_proj", f, h, n, role="experts", experts=e)}
+
 
 def resolve_targets(spec: ModelSpec, targets: str) -> tuple[LinearModule, ...]:
-    """The linear modules `targets` names, as PEFT's LoraConfig(target_modules=...) would pick them:
-    "all-linear" (every nn.Linear but the output layer), "attention" (the attention's), or module names
-    ("q_proj,v_proj"; a name matches a module whose dotted name is it or ends with "." + it). AdaptiveError for a
-    name that matches no nn.Linear, naming the ones this model has."""
+    """What `targets` adapts, as PEFT's LoraConfig(target_modules=...) picks it: "all-linear" (every nn.Linear but
+    the output layer), "attention" (the attention's), or module names ("q_proj,v_proj"; a name matches a module whose
+    dotted name is it or ends with "." + it). On Mixtral and Qwen3-MoE, transformers 4's MoE names reach the router and
+    the 3D experts (PEFT_MOE_TARGETS), and take the MLP names of dense layers with them. AdaptiveError for a name that
+    matches nothing, naming what this model has."""
     modules = [m for m in linear_modules(spec) if m.role != "head"]
+    moe = PEFT_MOE_TARGETS.get(spec.model_type, {}) if spec.is_moe else {}
     key = targets.strip()
-    if key == "all-linear":
-        return tuple(modules)
     if key == "attention":
         return tuple(m for m in modules if m.role == "attention")
-    names = [n.strip() for n in key.split(",") if n.strip()]
-    if not names:
-        raise AdaptiveError(f"--lora-targets is empty; give all-linear, attention or module names such as "
-                            f"{','.join(m.leaf for m in modules[:2])}")
+    if key == "all-linear":
+        names = [*dict.fromkeys(m.leaf for m in modules), *moe]
+    else:
+        names = [n.strip() for n in key.split(",") if n.strip()]
+        if not names:
+            raise AdaptiveError(f"--lora-targets is empty; give all-linear, attention or module names such as "
+                                f"{','.join(m.leaf for m in modules[:2])}")
     chosen: dict[str, LinearModule] = {}
-    valid = sorted({m.leaf for m in modules} | {m.name for m in modules})
+    sites = _moe_sites(spec) if moe else {}
+    valid = sorted({m.leaf for m in modules} | {m.name for m in modules} | set(moe))
     for n in names:
+        if n in moe:  # PEFT moves it to target_parameters: the module of that name in a dense layer is not adapted
+            site = sites[moe[n]]
+            chosen[site.name] = site
+            continue
         hits = [m for m in modules if m.name == n or m.name.endswith("." + n)]
         if not hits:
             raise AdaptiveError(_no_match(spec, n, valid))
         chosen.update((m.name, m) for m in hits)
-    return tuple(m for m in modules if m.name in chosen)
+    for fused, parts in (("gate_up_proj", [k for k, v in moe.items() if v == "gate_up_proj"]),):
+        named = [p for p in parts if p in names]
+        if named and len(named) < len(parts):  # PEFT raises ValueError
+            raise AdaptiveError(f"--lora-targets {','.join(named)} needs {','.join(p for p in parts if p not in named)} "
+                                f"too: transformers 5 fuses them into {fused}, which PEFT adapts as one")
+    return tuple(m for m in [*modules, *sites.values()] if m.name in chosen)
 
 
 def _no_match(spec: ModelSpec, name: str, valid: list[str]) -> str:
@@ -181,13 +220,15 @@ def _no_match(spec: ModelSpec, name: str, valid: list[str]) -> str:
     if name in ("lm_head", "embed_tokens"):
         why = f": LoRA here adapts the decoder layers' linears, not {name}"
     elif f.experts == "3d" and name in ("experts", "gate", "gate_up_proj", "down_proj", "w1", "w2", "w3"):
+        reach = (f" (PEFT reaches them by transformers 4's names: {', '.join(PEFT_MOE_TARGETS[f.model_type])})"
+                 if f.model_type in PEFT_MOE_TARGETS else "")
         why = (f": {f.class_name} stores its routed experts as 3D parameters and routes with a top-k router, "
-               "neither an nn.Linear that LoRA's target_modules can reach")
+               f"not nn.Linear modules{reach}")
     near = closest(name, valid)
     hint = f"; did you mean {near}?" if near else ""
     return (f"--lora-targets {name!r} matches no linear layer of this {f.model_type} model{why}{hint} "
             f"(all-linear, attention, or: {', '.join(v for v in valid if '.' not in v)})")
 
 
-__all__ = ["FAMILIES", "Family", "HF_TYPES", "LinearModule", "TARGET_ALIASES", "family_of", "linear_modules",
-           "resolve_targets"]
+__all__ = ["FAMILIES", "Family", "HF_TYPES", "LinearModule", "PEFT_MOE_TARGETS", "TARGET_ALIASES", "family_of",
+           "linear_modules", "resolve_targets"]

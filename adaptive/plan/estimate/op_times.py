@@ -266,13 +266,14 @@ class Work:
     finetune: Finetune | None = None  # None: every weight trains
 
     def role(self, s: ModelSpec, linear: str) -> LinearRole:
-        """How this run trains a decoder block's linear: q, k, v, o, gate, up, down, or shared_* (Qwen2-MoE's
-        shared expert); routed experts and routers are frozen under LoRA, never adapted."""
+        """How this run trains a decoder block's linear: q, k, v, o, gate, up, down, shared_* (Qwen2-MoE's shared
+        expert), expert_* (routed experts, 3D parameters in transformers 5) or router. Under LoRA every weight is
+        frozen; PEFT may adapt the experts and the router in place (families.PEFT_MOE_TARGETS); bitsandbytes quantizes
+        nn.Linear modules only."""
         ft = self.finetune
         if ft is None or not ft.adapted:
             return TRAINED
-        return LinearRole(trains=False, rank=ft.lora_rank if linear in _adapted(s, ft) else 0,
-                          nf4=ft.quantized and linear in _LINEARS)
+        return LinearRole(trains=False, rank=_adapted(s, ft).get(linear, 0), nf4=ft.quantized and linear in _LINEARS)
 
 
 _LINEARS = ("q", "k", "v", "o", "gate", "up", "down", "shared_gate", "shared_up", "shared_down")
@@ -281,13 +282,17 @@ _SHORT = {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "qkv_proj": ("q"
 
 
 @lru_cache(maxsize=256)
-def _adapted(s: ModelSpec, ft: Finetune) -> frozenset[str]:
-    """The block linears (as Work.role names them) that carry a LoRA adapter."""
-    out: set[str] = set()
+def _adapted(s: ModelSpec, ft: Finetune) -> dict[str, int]:
+    """The block linears (as Work.role names them) that carry a LoRA adapter, and its rank."""
+    out: dict[str, int] = {}
     for m in resolve_targets(s, ft.lora_targets):
-        prefix = "shared_" if m.role == "shared_expert" else ""
-        out.update(prefix + n for n in _SHORT.get(m.leaf, ()))
-    return frozenset(out)
+        rank = ft.lora_rank * m.rank_factor
+        if m.role == "router":
+            out["router"] = rank
+            continue
+        prefix = {"shared_expert": "shared_", "experts": "expert_"}.get(m.role, "")
+        out.update((prefix + n, rank) for n in _SHORT.get(m.leaf, ()))
+    return out
 
 
 def _attention_half(s: ModelSpec, w: Work, tokens: float, seq: float, r: Rates,
@@ -324,24 +329,20 @@ def _mlp_half(s: ModelSpec, w: Work, tokens: float, experts: bool, r: Rates,
     k = (KERNELS_FWD if phase == "fwd" else KERNELS_BWD)[w.kernels]["mlp"]
     out = _memory(tokens * c["mlp_h"] * h, k - 2, r)
 
-    def swiglu(rows: float, f: float, count: float, prefix: str | None = "") -> OpTimes:
-        """prefix None: routed experts (frozen under LoRA, never adapted)."""
+    def swiglu(rows: float, f: float, count: float, prefix: str = "") -> OpTimes:
         o = OpTimes()
         for name, n_out, k_in in (("gate", f / t, h), ("up", f / t, h), ("down", h, f / t)):  # down row-parallel
-            role = TRAINED if w.finetune is None or not w.finetune.adapted else (
-                FROZEN if prefix is None else w.role(s, prefix + name))
-            o = o + _linear(rows, n_out, k_in, r, count=count, phases=(phase,), role=role)
+            o = o + _linear(rows, n_out, k_in, r, count=count, phases=(phase,), role=w.role(s, prefix + name))
         return o + _memory(rows * count * c["swiglu"] * f / t, 2 * count, r)
 
     if not experts:
         return out + swiglu(tokens, s.intermediate_size, 1)
-    frozen = w.finetune is not None and w.finetune.adapted
     e_local = s.num_local_experts / w.ep
     slots = tokens * s.num_experts_per_tok * w.capacity_factor  # this GPU's tokens' slots, spread over EP ranks
     rows = slots / s.num_local_experts * w.ep  # each local expert's rows: all EP ranks' tokens for it
-    out = out + _linear(tokens, s.num_local_experts, h, r, phases=(phase,), role=FROZEN if frozen else TRAINED)
+    out = out + _linear(tokens, s.num_local_experts, h, r, phases=(phase,), role=w.role(s, "router"))
     out = out + _memory(MOE_DISPATCH_BYTES_PER_SLOT_H[phase] * slots * h, MOE_ROUTER_KERNELS, r)
-    out = out + swiglu(rows, s.moe_intermediate_size, e_local, None)
+    out = out + swiglu(rows, s.moe_intermediate_size, e_local, "expert_")
     if s.shared_expert_intermediate_size:
         out = out + swiglu(tokens, s.shared_expert_intermediate_size, 1, "shared_")
     return out

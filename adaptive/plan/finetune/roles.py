@@ -2,7 +2,8 @@
 16 bits or as NF4 blocks). Full fine-tuning, LoRA and QLoRA are three splits of one model's parameters; the memory
 and speed models do the same arithmetic over any split (estimate/memory.py, estimate/op_times.py).
 
-Counted, not estimated: the adapters are PEFT's (A: rank x in, B: out x rank per targeted linear, no bias), the
+Counted, not estimated: the adapters are PEFT's (A: rank x in, B: out x rank per targeted linear, no bias; per expert on
+a 3D expert parameter), the
 NF4 storage is bitsandbytes 0.50's as transformers 5 loads it (tests/fidelity/test_finetune_states.py builds both
 and compares every byte).
 """
@@ -84,8 +85,7 @@ def param_roles(spec: ModelSpec, finetune: Finetune | None = None) -> ParamRoles
         return ParamRoles(trainable=c.total, trainable_expert=c.expert, frozen_16bit=0, frozen_4bit=0,
                           nf4_packed_bytes=0, nf4_state_bytes=0, largest_4bit_linear=0)
     assert finetune is not None
-    r = finetune.lora_rank
-    adapter = sum(m.count * r * (m.in_features + m.out_features) for m in resolve_targets(spec, finetune.lora_targets))
+    adapter = sum(m.adapter_params(finetune.lora_rank) for m in resolve_targets(spec, finetune.lora_targets))
     quantized = [m for m in linear_modules(spec) if m.role != "head"] if finetune.quantized else []
     four_bit = sum(m.count * m.weight_params for m in quantized)
     return ParamRoles(

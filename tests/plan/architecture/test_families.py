@@ -98,8 +98,14 @@ def test_lora_targets_resolve_as_peft_matches_them(tmp_path):
         resolve_targets(spec, "q_proj")
 
 
-def test_moe_experts_are_not_lora_targets(tmp_path):
+def test_moe_experts_are_lora_targets_by_transformers_4_names(tmp_path):
+    """PEFT 0.21 maps Mixtral's w1/w3/w2 and router `gate` onto transformers 5's 3D experts and router weight."""
     _, spec = _build(tmp_path, CONFIGS["mixtral"])
-    assert {m.role for m in resolve_targets(spec, "all-linear")} == {"attention"}
-    with pytest.raises(AdaptiveError, match="3D parameters"):
+    assert {m.role for m in resolve_targets(spec, "all-linear")} == {"attention", "router", "experts"}
+    assert [m.name for m in resolve_targets(spec, "w2")] == ["mlp.experts.down_proj"]
+    with pytest.raises(AdaptiveError, match="3D parameters.*w1, w3, w2"):
         resolve_targets(spec, "experts")
+    with pytest.raises(AdaptiveError, match="w1 needs w3 too"):
+        resolve_targets(spec, "w1")
+    _, spec = _build(tmp_path, CONFIGS["qwen2_moe"])  # no PEFT pattern: its nn.Linear modules only
+    assert {m.role for m in resolve_targets(spec, "all-linear")} == {"attention", "shared_expert"}
