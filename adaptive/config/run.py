@@ -80,8 +80,10 @@ class ModelOptions:
                                     help="MoE capacity factor.")
     mod_capacity: float | None = option(None, "--mod-capacity", commands=ESTIMATE, above=0.0, maximum=1.0,
                                         help="MoD capacity (fraction of tokens routed).")
-    attention: str = option("sdpa", "--attention", commands=FIT_ONLY,
-                            help="Attention implementation: sdpa | eager (keeps the scores).")
+    attention: str | None = option(
+        None, "--attention", commands=FIT_ONLY,
+        help="Attention implementation: sdpa (or flash attention) | eager (keeps the scores). Default: sdpa; eager "
+             "for Gemma 2, as transformers runs it (its class refuses sdpa, which cannot softcap).")
     kernels: str | None = option(
         None, "--kernels", commands=ESTIMATE, choices=("lean", "plain"),
         help="lean: adaptive's memory-lean RMSNorm, SwiGLU and chunked loss (what the recipes train); plain: "
@@ -117,9 +119,9 @@ class DataOptions:
     """Sequence length and the training data."""
 
     seq_len: int | None = option(
-        None, "--seq-len", commands=SHAPE | {COMPARE, SCALE}, minimum=1,
+        None, "--seq-len", "--max-seq-len", commands=SHAPE | {COMPARE, SCALE}, minimum=1,
         help="Sequence length (default 2048; 128 for a run on a CPU). A run's data are blocks of it: keep it "
-             "on --resume.")
+             "on --resume. Instruction examples longer than it are truncated (the run says how many).")
     min_seq_len: int | None = option(
         None, "--min-seq-len", commands=PLANNING, minimum=1,
         help="Shortest sequence allowed: fit tries 3/4, 1/2, ... of --seq-len down to it; a run's OOM ladder "
@@ -132,7 +134,13 @@ class DataOptions:
     dataset_config: str | None = option(None, "--dataset-config", commands=RUN,
                                         help="Hub dataset config name (C4: en).")
     text_field: str = option("text", "--text-field", commands=SWEEP,
-                             help="The text column of json/parquet/saved/hub data.")
+                             help="The text column of json/parquet/saved/hub data. Rows with `messages` (chats, "
+                                  "rendered with the tokenizer's chat template) or `prompt` and `completion` are "
+                                  "instruction data, trained on the answers only.")
+    packing: bool = option(
+        False, "--packing", commands=RUN, negative="--no-packing",
+        help="Instruction data: pack several examples into each block, attention kept inside each example "
+             "(default: one example per block, padded). Text is always packed. Keep it on --resume.")
     tokenizer: str | None = option(None, "--tokenizer", commands=SWEEP,
                                    help="Hub name or local folder; default: the built-in byte-level BPE (2048).")
     data_workers: int | None = option(

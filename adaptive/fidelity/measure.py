@@ -1,11 +1,14 @@
 """Measure real training steps of a real model with fake tensors: no memory, no GPU.
 
-The model class (ours for presets and our exports; transformers' for Llama, Mistral, Qwen2, Mixtral
-and Qwen2-MoE config.json files) is built under `FakeTensorMode` in 16-bit precision and runs
-forward, backward and an AdamW step. Two instruments watch it:
+The model class (ours for presets and our exports; transformers' for the config.json files of
+adaptive/plan/architecture/families.py) is built under `FakeTensorMode` in 16-bit precision and runs
+forward, backward and an AdamW step. A fine-tune (`finetune`: lora, qlora) wraps it in PEFT's LoRA on a
+frozen base, as the run does; QLoRA's NF4 base is loaded by bitsandbytes, on real tensors. Two instruments
+watch it:
 
 - `torch.autograd.graph.saved_tensors_hooks` counts every tensor autograd keeps for backward
-  (unique storages, parameters and their views excluded): the activation bytes;
+  (unique storages; the model's parameters and buffers, trained or frozen, and their views excluded):
+  the activation bytes;
 - `PeakBytes`, a dispatch mode that follows every storage's life, gives the live bytes between
   steps (persistent) and the peaks during backward and during the optimizer step.
 
@@ -41,6 +44,7 @@ except ImportError:  # pragma: no cover - older huggingface_hub
 from adaptive.errors import AdaptiveError
 from adaptive.plan.architecture.hf_config import MOE_TYPES
 from adaptive.plan.architecture.presets import ModelSpec, layer_pattern
+from adaptive.plan.finetune.method import Finetune
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -123,20 +127,32 @@ class PeakBytes(TorchDispatchMode):
 
 
 def is_parameter_view(t: torch.Tensor) -> bool:
-    """A parameter or a view of one (linear layers save `weight.t()`): not an activation."""
+    """A trained parameter or a view of one (linear layers save `weight.t()`): not an activation. Without the
+    model at hand only; `count_saved_bytes(result, model)` tells parameters by their storage instead."""
     base = t._base if t._base is not None else t
     return base.is_leaf and base.requires_grad
 
 
+def model_storages(model: torch.nn.Module) -> set[int]:
+    """The storages of a model's parameters and buffers, trained or frozen (a LoRA base, bitsandbytes' packed
+    4-bit weights): what a saved tensor that is one of them, or a view of one, holds is not an activation."""
+    return {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+
+
 @contextlib.contextmanager
-def count_saved_bytes(result: dict):
+def count_saved_bytes(result: dict, model: torch.nn.Module | None = None):
     """Bytes of the unique storages autograd saved (parameters excluded) that are still alive when the
-    block ends, into result["bytes"]: what the graph holds at the end of the forward pass."""
+    block ends, into result["bytes"]: what the graph holds at the end of the forward pass.
+
+    With `model`, its parameters and buffers are told by storage, whatever their requires_grad: a frozen weight
+    is not an activation, and a leaf activation that requires grad (a frozen embedding's output after
+    `enable_input_require_grads`) is one. Without, a leaf that requires grad (or a view of one) is a parameter."""
     seen: dict[int, tuple[weakref.ref, int]] = {}
+    params = model_storages(model) if model is not None else None
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if not is_parameter_view(t):
-            storage = t.untyped_storage()
+        storage = t.untyped_storage()
+        if storage._cdata not in params if params is not None else not is_parameter_view(t):
             seen[storage._cdata] = (weakref.ref(storage), storage.nbytes())
         # Detached: a saved *output* that kept its grad_fn would form a node -> saved tensor -> node
         # cycle, keeping the never-run router-statistics branch alive past backward (measured: 180
@@ -161,6 +177,15 @@ def build_model(spec: ModelSpec, hf_config: dict | None, dtype: torch.dtype, che
                 kernels: str = "lean") -> torch.nn.Module:
     """Our model class for presets, our exports and our variants (with `kernels`); transformers' class
     for other HF configs (its own ops: what "plain" counts)."""
+    model = construct_model(spec, hf_config, dtype, attn_implementation, capacity_factor, kernels)
+    model.train()
+    enable_checkpointing(model, spec, hf_config, checkpointing)
+    return model
+
+
+def construct_model(spec: ModelSpec, hf_config: dict | None, dtype: torch.dtype, attn_implementation: str = "sdpa",
+                    capacity_factor: float = 1.0, kernels: str = "lean") -> torch.nn.Module:
+    """The model class `build_model` picks, built in `dtype` on the current device, in eval mode."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -188,7 +213,13 @@ def build_model(spec: ModelSpec, hf_config: dict | None, dtype: torch.dtype, che
             model = AdaptiveForCausalLM(cfg)
     finally:
         torch.set_default_dtype(previous)
-    model.train()
+    return model
+
+
+def enable_checkpointing(model: torch.nn.Module, spec: ModelSpec, hf_config: dict | None,
+                         checkpointing: bool | str) -> None:
+    """transformers' own activation checkpointing (non-reentrant; it also makes the embedding's output require
+    grad) for its classes, our policies for ours."""
     policy = checkpoint_policy(checkpointing)
     if transformers_class_builds(spec, hf_config) and policy != "off":
         if policy == "mlp":
@@ -204,6 +235,122 @@ def build_model(spec: ModelSpec, hf_config: dict | None, dtype: torch.dtype, che
         from adaptive.models.checkpointing import apply_checkpointing
 
         apply_checkpointing(model, policy)
+
+
+def peft_target_modules(spec: ModelSpec, targets: str) -> str | list[str]:
+    """`--lora-targets` in PEFT's words: "all-linear" and module names as they are; "attention" (ours) as the
+    family's attention linears."""
+    from adaptive.plan.architecture.families import family_of
+
+    if targets == "attention":
+        return list(family_of(spec).attention)
+    if targets == "all-linear":
+        return targets
+    return [n.strip() for n in targets.split(",") if n.strip()]
+
+
+class NativeDropout(torch.nn.Dropout):
+    """nn.Dropout as CUDA runs it: aten's fused native_dropout, which keeps a bool mask for backward. On the CPU
+    nn.Dropout takes aten's `_dropout_impl` (input * noise) and keeps the noise in the input's dtype: 2 bytes an
+    element in 16-bit, where a GPU keeps 1. The planner plans GPUs, so the measurement runs the GPU's op."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        return torch.native_dropout(x, self.p, True)[0]
+
+
+def add_lora(model: torch.nn.Module, spec: ModelSpec, finetune: Finetune, dtype: torch.dtype) -> torch.nn.Module:
+    """Freeze the model, wrap it in PEFT's LoRA (`finetune`'s rank, alpha, targets and dropout), and cast every
+    floating-point parameter to `dtype`, as DeepSpeed's engine does at initialize (`_cast_module_mixed_precision`:
+    parameters only). LoRA's dropouts run as on a GPU (`NativeDropout`)."""
+    from peft import LoraConfig, get_peft_model
+
+    model.requires_grad_(False)
+    config = LoraConfig(r=finetune.lora_rank, lora_alpha=finetune.alpha, lora_dropout=finetune.lora_dropout,
+                        target_modules=peft_target_modules(spec, finetune.lora_targets))
+    model = get_peft_model(model, config)
+    for module in list(model.modules()):
+        dropouts = getattr(module, "lora_dropout", None)  # PEFT's LoRA layers: one dropout per adapter
+        if isinstance(dropouts, torch.nn.ModuleDict):
+            for key, dropout in dropouts.items():
+                if type(dropout) is torch.nn.Dropout:
+                    dropouts[key] = NativeDropout(dropout.p)
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
+
+
+def finetune_model_on_meta(spec: ModelSpec, hf_config: dict | None, dtype: torch.dtype, checkpointing: bool | str,
+                           finetune: Finetune, attn_implementation: str = "sdpa",
+                           kernels: str = "lean") -> torch.nn.Module:
+    """A LoRA fine-tune's model on the meta device (`materialize` gives it storage): built there because PEFT
+    moves its adapters with `.to()`, which a module of fake tensors refuses."""
+    with torch.device("meta"):
+        model = construct_model(spec, hf_config, dtype, attn_implementation, kernels=kernels)
+    model.train()
+    model = add_lora(model, spec, finetune, dtype)
+    _finetune_checkpointing(model, spec, hf_config, checkpointing)
+    return model
+
+
+def _finetune_checkpointing(model: torch.nn.Module, spec: ModelSpec, hf_config: dict | None,
+                            checkpointing: bool | str) -> None:
+    """Checkpointing as `build_model` enables it, and the embedding's output made to require grad, as a
+    fine-tune must for the checkpointed layers' recompute to reach the adapters (transformers' classes do it in
+    `activation_checkpointing_enable`)."""
+    base = model.get_base_model()
+    enable_checkpointing(base, spec, hf_config, checkpointing)
+    if checkpoint_policy(checkpointing) != "off" and not transformers_class_builds(spec, hf_config):
+        base.enable_input_require_grads()
+
+
+def materialize(model: torch.nn.Module, device: str = "cpu") -> torch.nn.Module:
+    """Give a meta model's parameters and buffers storage on `device` (fake tensors under FakeTensorMode), each
+    shared tensor once: tied weights stay tied, as `to_empty` would not keep them."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table, wrap in ((module._parameters, True), (module._buffers, False)):
+            for name, t in table.items():
+                if t is None or t.device.type != "meta":
+                    continue
+                if id(t) not in made:
+                    empty = torch.empty_like(t, device=device)
+                    made[id(t)] = torch.nn.Parameter(empty, requires_grad=t.requires_grad) if wrap else empty
+                table[name] = made[id(t)]
+    return model
+
+
+def qlora_model(spec: ModelSpec, hf_config: dict | None, dtype: torch.dtype, checkpointing: bool | str,
+                finetune: Finetune, attn_implementation: str = "sdpa", kernels: str = "lean") -> torch.nn.Module:
+    """A QLoRA fine-tune's model with real tensors: a random checkpoint of the model saved to a temporary folder
+    and loaded by transformers with bitsandbytes' NF4 (double quantization, 16-bit compute) on the CPU, then
+    LoRA as `add_lora`. bitsandbytes quantizes while loading, so there is no fake-tensor path."""
+    import tempfile
+
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=dtype)
+    from transformers.utils import logging
+
+    model = construct_model(spec, hf_config, dtype, attn_implementation, kernels=kernels)
+    bars = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            model.save_pretrained(folder)
+            cls = type(model)
+            del model
+            model = cls.from_pretrained(folder, quantization_config=quantization, device_map="cpu", dtype=dtype,
+                                        attn_implementation=attn_implementation)
+    finally:
+        if bars:
+            logging.enable_progress_bar()
+    model.train()
+    model = add_lora(model, spec, finetune, dtype)
+    _finetune_checkpointing(model, spec, hf_config, checkpointing)
     return model
 
 
@@ -282,15 +429,48 @@ def _move_grad_into(buffer: torch.Tensor):
     return hook
 
 
+@contextlib.contextmanager
+def unpacked_sequences():
+    """Without a cache (checkpointing turns it off), transformers reads the position ids to detect packed
+    sequences, and cannot read fake ones: it then builds an explicit causal mask, which SDPA keeps, and for which it
+    repeats k and v to every head (`masking_utils.find_packed_sequence_indices`). Real ids of one sequence a row, as
+    here, build no mask: say so, as reading them would."""
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        yield
+        return
+    original = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
 def run_phases(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str, *, zero_stage: int = 0,
                dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int | tuple[int, ...] = 0,
-               capacity_factor: float = 1.0, attn_implementation: str = "sdpa", kernels: str = "lean") -> Phases:
-    """Two training steps on fake tensors; the second (optimizer states exist by then) is measured."""
-    with FakeTensorMode(allow_non_fake_inputs=True):
+               capacity_factor: float = 1.0, attn_implementation: str = "sdpa", kernels: str = "lean",
+               finetune: Finetune | None = None) -> Phases:
+    """Two training steps on fake tensors; the second (optimizer states exist by then) is measured. `finetune`
+    (lora, qlora) trains PEFT's adapters on a frozen base; QLoRA runs on real tensors (`qlora_model`)."""
+    adapted = finetune is not None and finetune.adapted
+    real = adapted and finetune.quantized
+    meta = None
+    if adapted and not real:
+        meta = finetune_model_on_meta(spec, hf_config, DTYPES[dtype], checkpointing, finetune, attn_implementation,
+                                      kernels)
+    with contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True), unpacked_sequences():
         tracker = PeakBytes()
         with tracker:
-            model = build_model(spec, hf_config, DTYPES[dtype], checkpointing, attn_implementation,
-                                capacity_factor=capacity_factor, kernels=kernels)
+            if meta is not None:
+                model = materialize(meta)
+            elif real:
+                model = qlora_model(spec, hf_config, DTYPES[dtype], checkpointing, finetune, attn_implementation,
+                                    kernels)
+            else:
+                model = build_model(spec, hf_config, DTYPES[dtype], checkpointing, attn_implementation,
+                                    capacity_factor=capacity_factor, kernels=kernels)
             optimizer = EmulatedZeroOptimizer(model, zero_stage, bucket_elements)
             ids = torch.randint(0, spec.vocab_size, (micro_batch, seq_len))
             saved: dict = {}
@@ -299,7 +479,7 @@ def run_phases(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: b
                 tracker.reset_peak()
                 # As in our training loop: the output, less its logits, stays alive through backward
                 # (the loop reads the router statistics after it), so what the statistics hold counts.
-                with count_saved_bytes(saved) if last else contextlib.nullcontext():
+                with count_saved_bytes(saved, model) if last else contextlib.nullcontext():
                     output = replace(model(input_ids=ids, labels=ids), logits=None)
                 optimizer.begin_backward()
                 output.loss.backward()
@@ -310,6 +490,15 @@ def run_phases(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: b
                 optimizer.step()
                 step = tracker.peak - persistent
     return Phases(activations=saved["bytes"], persistent=persistent, backward=backward, step=step)
+
+
+def _finetune_words(finetune: Finetune | None) -> str:
+    if finetune is None or not finetune.adapted:
+        return ""
+    base = "a frozen NF4 base (bitsandbytes, double quantization)" if finetune.quantized else "a frozen base"
+    dropout = f", dropout {finetune.lora_dropout:g}" if finetune.lora_dropout else ""
+    return (f" with PEFT LoRA (rank {finetune.lora_rank}, alpha {finetune.alpha:g}, targets "
+            f"{finetune.lora_targets}{dropout}) on {base}")
 
 
 def _checkpointing_words(checkpointing: bool | str) -> str:
@@ -348,13 +537,16 @@ def pattern_period(spec: ModelSpec, hf_config: dict | None) -> int:
 def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str, *, zero_stage: int = 0,
                  dtype: str = "bf16", hf_config: dict | None = None, bucket_elements: int | tuple[int, ...] = 0,
                  full_depth: bool = False, capacity_factor: float = 1.0,
-                 attn_implementation: str = "sdpa", kernels: str = "lean") -> Measurement:
+                 attn_implementation: str = "sdpa", kernels: str = "lean",
+                 finetune: Finetune | None = None) -> Measurement:
     """Measure at full depth, or at two depths (2 and 4 repeats of the layer pattern) extrapolated.
-    `kernels` applies to our class; transformers' classes run their own (plain) ops."""
+    `kernels` applies to our class; transformers' classes run their own (plain) ops. `finetune` (lora, qlora):
+    PEFT's LoRA on the frozen model (`run_phases`)."""
     if not transformers_class_builds(spec, hf_config):
         hf_config = None  # our class, built from the spec
     kw = dict(zero_stage=zero_stage, dtype=dtype, hf_config=hf_config, bucket_elements=bucket_elements,
-              capacity_factor=capacity_factor, attn_implementation=attn_implementation, kernels=kernels)
+              capacity_factor=capacity_factor, attn_implementation=attn_implementation, kernels=kernels,
+              finetune=finetune)
     total = spec.num_hidden_layers
     period = pattern_period(spec, hf_config)
     policy = checkpoint_policy(checkpointing)
@@ -364,8 +556,10 @@ def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, checkpointing:
     d1, d2 = 2 * period, 4 * period
     name = hf_config["model_type"] if hf_config and hf_config.get("model_type") != "adaptive" else "adaptive"
     ops = f" with {kernels} kernels" if name == "adaptive" else ""
-    what = (f"the {name} model class{ops} on fake tensors (no memory), {dtype}, micro-batch {micro_batch} x "
-            f"sequence {seq_len}{_checkpointing_words(checkpointing)}"
+    tensors = "real tensors (bitsandbytes quantizes while loading)" if finetune and finetune.quantized else \
+        "fake tensors (no memory)"
+    what = (f"the {name} model class{ops}{_finetune_words(finetune)} on {tensors}, {dtype}, micro-batch "
+            f"{micro_batch} x sequence {seq_len}{_checkpointing_words(checkpointing)}"
             f"{', eager attention' if attn_implementation == 'eager' else ''}"
             f"{f', MoE capacity factor {capacity_factor:g}' if spec.is_moe and hf_config is None else ''}"
             f"{f', MoD capacity {spec.mod_capacity:g}' if spec.is_mod else ''}: two training steps "

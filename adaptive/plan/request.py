@@ -10,6 +10,7 @@ from adaptive.config.run import RunConfig
 from adaptive.errors import AdaptiveError, require_positive
 from adaptive.plan.estimate.attention import ATTENTIONS
 from adaptive.plan.hardware.gpus import GiB, GPU, custom_gpu, get_gpu
+from adaptive.plan.architecture.families import family_of
 from adaptive.plan.architecture.hf_config import default_kernels, looks_like_path, spec_from_hf_config
 from adaptive.plan.estimate.optimizers import check_optimizer
 from adaptive.plan.finetune.method import Finetune, make_finetune
@@ -53,7 +54,7 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
                  capacity_factor: float = 1.0, mod_capacity: float | None = None, mfu: float | None = None,
                  price: float | None = None, host_mem_gib: float | None = None,
                  gpu_mem_gib: float | None = None, gpu_tflops: float | None = None,
-                 calibrate: str | None = None, optimizer: str | None = None, attention: str = "sdpa",
+                 calibrate: str | None = None, optimizer: str | None = None, attention: str | None = None,
                  ds_config: str | None = None, kernels: str | None = None,
                  checkpoint_policy: str | None = None, sp_size: int | None = None, tp_size: int | None = None,
                  zero_hpz: int | None = None, zero_quantize: str | None = None, loss_law: str | None = None,
@@ -66,6 +67,7 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
     require_positive("--host-mem", host_mem_gib)
     spec = resolve_model(model, arch, mod_capacity)
     method = resolve_finetune(finetune, lora_rank, lora_alpha, lora_targets, lora_dropout, epochs)
+    attention = attention or family_of(spec).default_attention
     if attention not in ATTENTIONS:
         raise AdaptiveError(f"--attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
     optimizer = check_optimizer(optimizer) if optimizer else None

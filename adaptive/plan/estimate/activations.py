@@ -13,6 +13,10 @@ model computes in fp32.
 the fp32 log-softmax over the vocabulary); "lean" counts adaptive/models/lean.py's blocks, which save
 the RMSNorm input and 1/rms, SwiGLU's gate and up, and nothing vocabulary-wide (the loss runs in tiles
 of `loss_chunk_tokens`). Both are counts of the real classes (tests/models/test_lean.py, tests/fidelity).
+
+transformers' other decoder families (Qwen3, Gemma 2/3, Phi-3, Qwen3-MoE) and every LoRA/QLoRA fine-tune
+(`finetune`) are counted op by op instead (hf_blocks.py): which weights train changes what each op keeps, which
+the per-block formulas here do not follow. `counts_ops` says which count a spec gets.
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from adaptive.plan.architecture.families import family_of
 from adaptive.plan.architecture.presets import ModelSpec
+from adaptive.plan.estimate.hf_blocks import (FINAL_NORM_BACKWARD, head_flow, layer_backward_moments, layer_flow,
+                                              transformers_class)
+from adaptive.plan.finetune.method import Finetune
 
 MIN_CAPACITY = 4  # DeepSpeed's and our MoE gate's default floor on expert capacity
 KERNELS = ("lean", "plain")  # lean: adaptive/models/lean.py's blocks; plain: transformers' Llama-style ops
@@ -164,11 +172,58 @@ def checkpointed_layers(s: ModelSpec, checkpointing: bool | str) -> tuple[bool, 
     return tuple(kind == "full" or (kind == "every" and i % n == 0) for i in range(len(s.layer_types)))
 
 
+# Families whose full-training count is the formulas above (kept as they are: the plain formula is exact for the
+# dense ones; for the MoE ones it is our capacity-slot model, within 5% of transformers 5's dropless blocks)
+FORMULA_FAMILIES = ("adaptive", "llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
+
+
+def counts_ops(s: ModelSpec, kernels: str, finetune: Finetune | None) -> bool:
+    """Whether the op-by-op dataflow (hf_blocks.py) counts this spec: transformers' classes (plain kernels) the
+    formulas above do not cover, and any LoRA/QLoRA fine-tune of them or of our dense plain blocks."""
+    if kernels != "plain":
+        return False
+    adapted = finetune is not None and finetune.adapted
+    if transformers_class(s):
+        return adapted or s.model_type not in FORMULA_FAMILIES
+    return adapted and set(s.layer_types) == {"dense"}  # our class's plain dense blocks are Llama's ops
+
+
+@lru_cache(maxsize=4096)
+def flow_activation_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
+                          finetune: Finetune | None = None, attention: str = "sdpa") -> int:
+    """`activation_bytes` counted op by op (hf_blocks.py). A checkpointed layer keeps its input (2h a token; a
+    fine-tune's checkpointing makes the embedding's output require grad, so every layer input does); the others
+    keep their ops' tensors, given whether their input needs a gradient (a frozen embedding's output does not).
+    transformers' classes build a KV cache in training only without checkpointing (`Flow.cache`)."""
+    tokens = seq_len * micro_batch
+    kind, _ = _policy(checkpointing)
+    adapted = finetune is not None and finetune.adapted
+    grad = not adapted or kind != "off"
+    total, rope = 0.0, False
+    for layer_type, ckpt in zip(s.layer_types, checkpointed_layers(s, checkpointing)):
+        per_token, fixed, out_grad, reads_rope = layer_flow(s, layer_type, finetune, grad, kind != "mlp", attention,
+                                                            seq_len if attention == "eager" else 0, kind == "off")
+        if ckpt:
+            total += tokens * 2 * s.hidden_size
+        else:
+            total += tokens * per_token + fixed
+            rope = rope or reads_rope
+        grad = out_grad
+    per_token, per_sequence, fixed = head_flow(s, finetune, grad)
+    rope_tables = 4 * s.head_dim * seq_len if rope else 0  # cos and sin, 16-bit, shared by the batch and the layers
+    return int(total + tokens * per_token + micro_batch * per_sequence + fixed + rope_tables)
+
+
 @lru_cache(maxsize=4096)
 def activation_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
-                     capacity_factor: float = 1.0, kernels: str = "lean") -> int:
+                     capacity_factor: float = 1.0, kernels: str = "lean", finetune: Finetune | None = None) -> int:
     """Bytes autograd holds at the end of the forward pass (the loss's own included). `checkpointing`:
-    False/True (off/full) or a policy ("off", "full", "every:N", "mlp")."""
+    False/True (off/full) or a policy ("off", "full", "every:N", "mlp"). `finetune`: None (pretraining) or a
+    method; LoRA/QLoRA of transformers' classes is counted op by op (`flow_activation_bytes`), as are the families
+    the formulas here do not cover; LoRA of our lean, MoE or MoD blocks is counted as full training (an upper
+    bound: frozen weights keep less)."""
+    if counts_ops(s, kernels, finetune):
+        return flow_activation_bytes(s, seq_len, micro_batch, checkpointing, finetune)
     tokens = seq_len * micro_batch
     kind, _ = _policy(checkpointing)
     if kind == "mlp":
@@ -187,6 +242,40 @@ def activation_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing
         return int(layers + head_bytes(s, seq_len, micro_batch, kernels, rope=False))
     layers = sum(layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels) for t in s.layer_types)
     return int(layers + head_bytes(s, seq_len, micro_batch, kernels))
+
+
+def eager_extra_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
+                      kernels: str = "lean", finetune: Finetune | None = None) -> int:
+    """What eager attention keeps beyond SDPA, all layers, one micro-batch. Where `activation_bytes` counts op by
+    op, so is this (the eager count less the SDPA count): only the layers checkpointing keeps, Gemma 2's soft cap
+    (2 bytes a score), and a fine-tune's frozen weights (a frozen o_proj keeps no copy of its input; a layer whose
+    q, k and v need no gradient keeps no scores). Elsewhere attention.py's 6 bytes a score, on the share of layers
+    checkpointing keeps (as estimate/memory.py has always counted it)."""
+    if counts_ops(s, kernels, finetune):
+        return (flow_activation_bytes(s, seq_len, micro_batch, checkpointing, finetune, "eager")
+                - flow_activation_bytes(s, seq_len, micro_batch, checkpointing, finetune))
+    from adaptive.plan.estimate.attention import eager_extra_saved_bytes
+
+    kind, n = _policy(checkpointing)
+    kept = 0.0 if kind == "full" else 1 - 1 / n if kind == "every" else 1.0
+    return int(kept * eager_extra_saved_bytes(s, seq_len, micro_batch))
+
+
+def eager_backward_extra_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
+                               kernels: str = "lean", finetune: Finetune | None = None) -> int:
+    """What eager attention adds to `backward_peak_bytes` beyond what it keeps (`eager_extra_bytes`): a recomputed
+    layer's scores and their gradients, the causal mask checkpointing holds. Where `activation_bytes` counts op
+    by op, the eager backward peak less the SDPA one less the kept extra (it can be below zero: the kept scores of
+    the layers above are freed by the time a layer's recompute peaks); elsewhere attention.py's figure for a
+    recomputed layer, when checkpointing drops any layer (as estimate/memory.py has always counted it)."""
+    if counts_ops(s, kernels, finetune):
+        return (flow_backward_peak_bytes(s, seq_len, micro_batch, checkpointing, finetune, "eager")
+                - flow_backward_peak_bytes(s, seq_len, micro_batch, checkpointing, finetune)
+                - eager_extra_bytes(s, seq_len, micro_batch, checkpointing, kernels, finetune))
+    from adaptive.plan.estimate.attention import eager_recompute_bytes
+
+    kind, _ = _policy(checkpointing)
+    return eager_recompute_bytes(s, seq_len, micro_batch) if kind in ("full", "every") else 0
 
 
 def loss_working_bytes(s: ModelSpec, tokens: int, kernels: str = "lean") -> int:
@@ -218,8 +307,56 @@ def moe_backward_bytes(s: ModelSpec, tokens: int, capacity_factor: float, kernel
 
 
 @lru_cache(maxsize=4096)
+def flow_backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
+                             finetune: Finetune | None = None, attention: str = "sdpa") -> int:
+    """`backward_peak_bytes` where `activation_bytes` counts op by op. The moments: the loss's backward (its fp32
+    logit gradient and 16-bit cast, 8 bytes a logit, beside everything saved); the final norm's (the loss's and the
+    head's own freed); then each layer from the top, the layers above freed, those below still saved, the layer's
+    own saved (recomputed from its kept input if checkpointed) at its backward's peaks (`layer_backward_moments`).
+    Under checkpointing the RoPE tables stay held (the checkpointed layers read them again). QLoRA's dequantized
+    16-bit weight (each backward matmul through a 4-bit base builds one) is not here: estimate/memory.py adds it as
+    its own part (finetune/roles.py `dequantized_bytes`)."""
+    tokens = seq_len * micro_batch
+    kind, _ = _policy(checkpointing)
+    adapted = finetune is not None and finetune.adapted
+    h = s.hidden_size
+    keys = seq_len if attention == "eager" else 0  # eager attention: the scores' bytes per token
+    saved = flow_activation_bytes(s, seq_len, micro_batch, checkpointing, finetune, attention)
+    peak = saved + loss_working_bytes(s, tokens, "plain")
+    grads, grad = [], not adapted or kind != "off"  # which layer inputs need a gradient, as in the forward
+    for t in s.layer_types:
+        grads.append(grad)
+        grad = layer_flow(s, t, finetune, grad, kind != "mlp", attention, keys, kind == "off")[2]
+    per_token, per_sequence, fixed = head_flow(s, finetune, grad)
+    ids = 0 if adapted else 8  # the embedding's backward (a trained embedding) still needs the token ids
+    # freed by the final norm's fp32 backward: the loss's own, and, trained, the head's input and the norm's copy
+    # its weight's gradient read (16-bit cast; Gemma: the fp32 normalised x)
+    trained = 0 if adapted else 2 * h + (4 if family_of(s).norm == "gemma" else 2) * h
+    loss = tokens * (4 * s.vocab_size + 8 + trained) + micro_batch * per_sequence
+    rope = 4 * s.head_dim * seq_len if kind == "full" else 0  # held for the checkpointed layers, not saved by them
+    if attention == "eager" and kind != "off":
+        rope += 2 * micro_batch * seq_len * seq_len  # eager's 16-bit causal mask, held for the recompute too
+    peak = max(peak, saved + rope - loss + tokens * FINAL_NORM_BACKWARD * h)  # the final norm's backward
+    held = saved + rope - tokens * (per_token - ids) - micro_batch * per_sequence - fixed  # the layers' own
+    kept = checkpointed_layers(s, checkpointing)
+    for i in reversed(range(len(s.layer_types))):
+        t, ckpt = s.layer_types[i], kept[i]
+        own = tokens * 2 * h
+        if not ckpt:
+            per_token, fixed, _, _ = layer_flow(s, t, finetune, grads[i], kind != "mlp", attention, keys, kind == "off")
+            own = tokens * per_token + fixed
+        below = held - own
+        # a checkpointed layer is recomputed without a cache, its input needing a gradient
+        moments = layer_backward_moments(s, t, finetune, grads[i] or ckpt, kind == "off" and not ckpt, attention,
+                                         keys)
+        peak = max(peak, below + (tokens * 2 * h if ckpt else 0) + max(tokens * p + f for p, f in moments))
+        held = below
+    return int(peak)
+
+
+@lru_cache(maxsize=4096)
 def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
-                        capacity_factor: float = 1.0, kernels: str = "lean") -> int:
+                        capacity_factor: float = 1.0, kernels: str = "lean", finetune: Finetune | None = None) -> int:
     """Activation-side bytes at the peak of backward: saved tensors plus the working set.
 
     Measured (tests/fidelity): the loss's backward adds `loss_working_bytes` while the rest is still
@@ -229,7 +366,10 @@ def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpoint
     top of the kept layer inputs (dense: its saved bytes + 8h + 2.5f per token). Under "every:N" that
     recompute happens at the topmost checkpointed layer, with the layers above it already freed; under
     "mlp" each layer recomputes its MLP half (dense: its norm and SwiGLU bytes + 8h + 2.5f per token).
+    `finetune` as in `activation_bytes` (`flow_backward_peak_bytes` where that counts op by op).
     """
+    if counts_ops(s, kernels, finetune):
+        return flow_backward_peak_bytes(s, seq_len, micro_batch, checkpointing, finetune)
     tokens = seq_len * micro_batch
     saved = activation_bytes(s, seq_len, micro_batch, checkpointing, capacity_factor, kernels)
     loss_peak = saved + loss_working_bytes(s, tokens, kernels)

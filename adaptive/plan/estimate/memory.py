@@ -22,6 +22,9 @@ from adaptive.errors import AdaptiveError
 from adaptive.plan.estimate.activations import (
     activation_bytes,
     backward_peak_bytes,
+    counts_ops,
+    eager_backward_extra_bytes,
+    eager_extra_bytes,
     head_bytes,
     loss_saved_bytes_per_token,
     loss_working_bytes,
@@ -355,9 +358,9 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
         backward_peak = setup.calibration.backward_bytes(tokens, ckpt)
     else:
         saved = activation_bytes(setup.spec, local_seq, setup.micro_batch_size, policy, setup.capacity_factor,
-                                 setup.kernels)
+                                 setup.kernels, setup.finetune)
         backward_peak = backward_peak_bytes(setup.spec, local_seq, setup.micro_batch_size, policy,
-                                            setup.capacity_factor, setup.kernels)
+                                            setup.capacity_factor, setup.kernels, setup.finetune)
     if tp > 1:
         # AutoTP: the layers' activations inside the sharded matmuls split tp ways (parallel.py); the
         # column-parallel lm_head gathers its output, so the loss keeps whole-vocabulary logits
@@ -369,7 +372,14 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
     # Eager attention: its score-sized tensors (attention.py), kept by the blocks that are not checkpointed,
     # recomputed one layer at a time by those that are (the mlp policy keeps attention)
     scores_saved = scores_recompute = 0
-    if setup.attention == "eager":
+    if setup.attention == "eager" and counts_ops(setup.spec, setup.kernels, setup.finetune):
+        # transformers' classes counted op by op (hf_blocks.py): Gemma 2's soft cap, a fine-tune's frozen weights
+        split = sp * tp
+        scores_saved = eager_extra_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, policy, setup.kernels,
+                                         setup.finetune) // split
+        scores_recompute = eager_backward_extra_bytes(setup.spec, setup.seq_len, setup.micro_batch_size, policy,
+                                                      setup.kernels, setup.finetune) // split
+    elif setup.attention == "eager":
         kept = 0.0 if policy == "full" else 1 - 1 / int(policy.split(":")[1]) if policy.startswith("every:") else 1.0
         # score-sized tensors span the whole sequence for heads/sp (Ulysses) or heads/tp (AutoTP)
         split = sp * tp

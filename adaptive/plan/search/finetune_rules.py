@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from adaptive.plan.architecture.families import family_of
+from adaptive.plan.architecture.families import family_of, resolve_targets
 from adaptive.plan.estimate.nvme import DEFAULT_DRIVE
 from adaptive.plan.estimate.optimizers import EIGHT_BIT, is_paged
 
@@ -50,6 +50,10 @@ def finetune_error(req: FitRequest) -> str | None:
                     "parallelism only (tensor, sequence and pipeline parallelism of PEFT's layers are untested here)")
         if ft.quantized and offload != "none":
             return f"--finetune qlora cannot take --offload {offload}: {QLORA_OFFLOAD}; use --offload none"
+        if ft.lora_dropout and any(m.role == "experts" for m in resolve_targets(spec, ft.lora_targets)):
+            return (f"--lora-dropout {ft.lora_dropout:g} with LoRA on {spec.model_type}'s experts: PEFT's adapter on "
+                    "3D expert parameters refuses dropout (lora.ParamWrapper); use --lora-dropout 0, or targets "
+                    "without the experts (--lora-targets attention)")
     if transformers_moe(req) and (req.ep_size or 1) > 1:
         return (f"--ep-size {req.ep_size} does not apply to a fine-tune of {spec.model_type}: transformers' "
                 f"{family_of(spec).class_name} holds every expert on every GPU (expert parallelism is adaptive's "
