@@ -85,9 +85,11 @@ def _check_loader_state(data: StreamingPackedDataset, start: int, state: dict[st
     return loader_state
 
 
-def _as_batch(blocks: list[np.ndarray] | list[torch.Tensor]) -> dict[str, torch.Tensor]:
+def _as_batch(blocks: list[np.ndarray] | list[torch.Tensor] | list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
     import torch
 
+    if isinstance(blocks[0], dict):  # instruction blocks bring their labels (and position_ids when packed)
+        return {key: torch.stack([torch.as_tensor(b[key]) for b in blocks]).to(torch.int64) for key in blocks[0]}
     input_ids = torch.stack([torch.as_tensor(b) for b in blocks]).to(torch.int64)
     # Labels are the inputs: HF causal-LM models shift them by one inside. A separate tensor, so the
     # loop may mask labels in place without touching the inputs.
@@ -96,7 +98,8 @@ def _as_batch(blocks: list[np.ndarray] | list[torch.Tensor]) -> dict[str, torch.
 
 def batches(train: TrainData, micro_batch_size: int, start_sample: int = 0,
             state: dict[str, Any] | None = None) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless training micro-batches {"input_ids", "labels"}: LongTensor [micro_batch_size, seq_len].
+    """Endless training micro-batches {"input_ids", "labels"}: LongTensor [micro_batch_size, seq_len]
+    (instruction data: labels -100 where not trained, and "position_ids" when packed).
 
     Starts at this rank's sample `start_sample`; streaming data past the start also need the
     `state` a `SampleIterator` saved there (see the resume contract in the module docstring).
@@ -117,7 +120,7 @@ def eval_batches(evaluation: TrainData, micro_batch_size: int) -> Iterator[dict[
         stream: Iterator[np.ndarray] = evaluation.blocks()
     else:
         stream = (evaluation[i] for i in range(len(evaluation)))
-    pending: list[np.ndarray] = []
+    pending: list[np.ndarray] | list[dict[str, np.ndarray]] = []
     for block in stream:
         pending.append(block)
         if len(pending) == micro_batch_size:

@@ -16,6 +16,8 @@ Two paths share one contract:
   Resuming loads it, re-reads one window (no tokenizing) and continues: the cost does not grow with
   the position (`datasets` itself skips to a position inside a shard by whole Arrow tables, reading
   at most that shard up to the position; nothing skipped is tokenized).
+* **Instruction data** (local rows of chats or prompt/completion pairs, `instructions`): rendered once,
+  one example per block or packed, map-style, in the same order (`instruction_blocks`).
 
 The sample order, for a rank, is a pure function of (data, seed, rank, world_size):
 
@@ -45,7 +47,10 @@ from typing import TYPE_CHECKING, Any, Union
 import numpy as np
 
 from adaptive.errors import AdaptiveError
-from adaptive.train.data.sources import DataConfig, DataSource, load_text_dataset, resolve_source
+from adaptive.train.data.instruction_blocks import build_instruction_datasets
+from adaptive.train.data.instructions import TEXT
+from adaptive.train.data.order import BlockOrder, eval_block_count
+from adaptive.train.data.sources import DataConfig, DataSource, load_text_dataset, resolve_source, source_format
 
 if TYPE_CHECKING:
     import datasets
@@ -93,15 +98,6 @@ def pack(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     return tokens[: n * seq_len].reshape(n, seq_len)
 
 
-def eval_block_count(n_blocks: int, cfg: DataConfig) -> int:
-    """Blocks held out for eval: ~eval_fraction of them, at least one, at most max_eval_blocks.
-
-    Independent of the world size, so the training split (and its order) is the same on any
-    number of ranks.
-    """
-    return max(1, min(cfg.max_eval_blocks, round(cfg.eval_fraction * n_blocks)))
-
-
 def _too_small(label: str, n_tokens: int, seq_len: int, detail: str = "") -> AdaptiveError:
     return AdaptiveError(
         f"dataset {label!r} has {n_tokens} tokens, too few: one block needs {seq_len} tokens{detail}; "
@@ -113,44 +109,18 @@ def _too_small(label: str, n_tokens: int, seq_len: int, detail: str = "") -> Ada
 # Datasets the loop reads
 
 
-class PackedDataset:
-    """One rank's view of packed blocks held in memory (map-style).
-
-    Indexed by the rank-local sample index i >= 0, without end: i past one epoch continues into the
-    next. Rank-local sample i is global sample i * world_size + rank (see the module docstring).
-    `len()` is the number of samples per rank in one epoch: num_blocks // world_size, at least 1
-    (eval uses it: every rank gets the same count; the remainder blocks are not evaluated, and with
-    fewer eval blocks than ranks the high ranks wrap around to block 0).
-    """
+class PackedDataset(BlockOrder):
+    """One rank's view of packed text blocks held in memory (map-style), in `BlockOrder`."""
 
     def __init__(self, blocks: np.ndarray, *, rank: int, world_size: int, seed: int, shuffle: bool) -> None:
         assert blocks.ndim == 2 and len(blocks) >= 1, "a split needs at least one block"
+        super().__init__(rank=rank, world_size=world_size, seed=seed, shuffle=shuffle)
         self.blocks = blocks
-        self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
         self.seq_len = blocks.shape[1]
-        self._perms: dict[int, np.ndarray] = {}
 
     @property
     def num_blocks(self) -> int:
-        """Blocks in this split over all ranks (one global epoch)."""
         return len(self.blocks)
-
-    def __len__(self) -> int:
-        return max(1, self.num_blocks // self.world_size)
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            if len(self._perms) >= 2:  # keep the current epoch and the next, around a boundary
-                self._perms.pop(next(iter(self._perms)))
-            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_blocks)
-        return self._perms[epoch]
-
-    def block_index(self, sample: int) -> int:
-        """Which block rank-local sample `sample` is."""
-        if sample < 0:
-            raise IndexError(sample)
-        epoch, pos = divmod(sample * self.world_size + self.rank, self.num_blocks)
-        return int(self._permutation(epoch)[pos]) if self.shuffle else pos
 
     def __getitem__(self, sample: int) -> np.ndarray:
         return self.blocks[self.block_index(sample)]
@@ -240,7 +210,7 @@ class StreamingPackedDataset:
         return (block for block, _ in self.stream())
 
 
-TrainData = Union[PackedDataset, StreamingPackedDataset]
+TrainData = Union[BlockOrder, StreamingPackedDataset]  # PackedDataset, or instruction_blocks.InstructionDataset
 
 
 def _rank_args(rank: int, world_size: int) -> None:
@@ -315,16 +285,21 @@ def build_datasets(
 
     Map-style builds read and tokenize everything here (cached by `datasets` in cfg.cache_dir);
     call it under `accelerator.main_process_first()` so rank 0 fills the cache and the others reuse
-    it. Streaming builds only resolve the dataset here; text is read while iterating.
+    it. Streaming builds only resolve the dataset here; text is read while iterating. Local rows of
+    chats or prompt/completion pairs are instruction data (`instruction_blocks`; always map-style).
     """
     _rank_args(rank, world_size)
     if tokenizer.eos_token_id is None:
         raise AdaptiveError("the tokenizer has no eos token; packing needs one to separate documents")
     source = resolve_source(cfg)
+    if source_format(cfg, source) != TEXT:
+        return build_instruction_datasets(cfg, source, tokenizer, rank, world_size)
+    if cfg.packing:
+        logger.warning("packing ignored: %s is text, which is always packed into blocks", source.label)
     streaming = cfg.streaming if cfg.streaming is not None else not source.is_local
     build = _build_streaming if streaming else _build_map_style
     return build(cfg, source, tokenizer, rank, world_size)
 
 
-__all__ = ["PackedDataset", "StreamingPackedDataset", "TrainData", "build_datasets", "eval_block_count", "pack",
-           "tokenize_to_array"]
+__all__ = ["BlockOrder", "PackedDataset", "StreamingPackedDataset", "TrainData", "build_datasets", "eval_block_count",
+           "pack", "tokenize_to_array"]

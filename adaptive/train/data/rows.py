@@ -1,4 +1,5 @@
-"""Check local JSON rows before `datasets` reads them: every record an object whose text field is a string.
+"""Check local JSON rows before `datasets` reads them: every record an object whose text field is a string
+(instruction rows are checked by `instructions.check_rows` over `json_records`).
 
 `datasets`' json builder (pyarrow) reports a bad line as "JSON parse error ... in row 3" without the
 file, fills a missing field with null, and lets an integer or a list through to the tokenizer, which
@@ -51,6 +52,17 @@ def _kind(value: Any) -> str:
     return {dict: "object", list: "array", str: "string", int: "number", float: "number"}.get(type(value), "value")
 
 
+def json_records(files: list[str]) -> Iterator[tuple[str, Any]]:
+    """(where, record) for every record of the files, in order; `where` is "file:line" (or "file: item i")."""
+    for name in files:
+        yield from _records(Path(name))
+
+
+def first_json_record(files: list[str]) -> Any:
+    """The first record of the files (None when they hold none): what kind of rows they are."""
+    return next((record for _, record in json_records(files)), None)
+
+
 _CHECKED: set[tuple[str, int, int, str]] = set()  # (file, size, mtime_ns, field): read once per process
 
 
@@ -76,4 +88,4 @@ def check_json_rows(files: list[str], field: str) -> None:
         _CHECKED.add(key)
 
 
-__all__ = ["check_json_rows"]
+__all__ = ["check_json_rows", "first_json_record", "json_records"]

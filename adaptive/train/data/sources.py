@@ -2,7 +2,9 @@
 
 `resolve_source` turns `--dataset` into a `DataSource`; `load_text_dataset` reads it with `datasets`
 (`load_dataset`, streaming for the hub) as one "text" column, with one-line errors for a hub that
-cannot be reached, a missing file or bad JSON rows (`rows.check_json_rows`).
+cannot be reached, a missing file or bad JSON rows (`rows.check_json_rows`). Local rows may be
+instruction data instead (`source_format`; chats or prompt/completion pairs, `instructions`), which
+`load_instruction_rows` reads with their fields, every row checked.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlparse
 
 from adaptive.errors import AdaptiveError
-from adaptive.train.data.rows import check_json_rows
+from adaptive.train.data.instructions import CHAT, TEXT, check_rows, data_format
+from adaptive.train.data.rows import check_json_rows, first_json_record, json_records
 from adaptive.train.data.tokenizer import DEFAULT_CORPUS
 
 if TYPE_CHECKING:
@@ -52,6 +56,8 @@ class DataConfig:
     workers: streaming only: processes per rank that read, tokenize and pack (0: the training
         process itself); at most the rank's shard count. Map-style data are tokenized up front.
     pin_memory: the loader hands over page-locked batches (CUDA).
+    packing: instruction data only: several examples per block (each attending only to itself, through
+        position_ids that restart at 0) instead of one padded example per block.
     """
 
     dataset: str | None
@@ -69,6 +75,7 @@ class DataConfig:
     num_proc: int | None = None
     workers: int = 0
     pin_memory: bool = False
+    packing: bool = False
 
     def __post_init__(self) -> None:
         if self.seq_len < 2:
@@ -134,12 +141,69 @@ def resolve_source(cfg: DataConfig) -> DataSource:
     return DataSource(name, repo, config_name=cfg.dataset_config or _HUB_DEFAULT_CONFIGS.get(repo))
 
 
+def source_format(cfg: DataConfig, source: DataSource | None = None) -> str:
+    """What the rows of a local source are (`instructions.data_format`): from the first JSON record, or the
+    columns of parquet files or a saved dataset. Text files and the hub are text."""
+    source = source or resolve_source(cfg)
+    if not source.is_local or source.builder == "text":
+        return TEXT
+    if source.builder == "json":
+        return _json_format(list(source.data_files), cfg.text_field)
+    if source.builder == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return data_format(pq.read_schema(source.data_files[0]).names, cfg.text_field)
+        except (OSError, ValueError) as err:
+            raise AdaptiveError(f"could not read {source.label!r} as parquet: {_first_line(err)}") from None
+    return data_format(_columns(_load_saved(source, streaming=False)), cfg.text_field)
+
+
 def check_local_rows(dataset: str | None, text_field: str = "text") -> None:
-    """Check a local JSON dataset's rows now (one line naming file:line), before a run starts anything."""
+    """Check a local dataset's rows now, before a run starts anything: JSON rows (one line naming file:line),
+    and every instruction row of parquet files or a saved dataset (naming its row)."""
     if dataset:
-        source = resolve_source(DataConfig(dataset=dataset, seq_len=2, text_field=text_field))  # seq_len: unused here
+        cfg = DataConfig(dataset=dataset, seq_len=2, text_field=text_field)  # seq_len: unused here
+        source = resolve_source(cfg)
         if source.is_local and source.builder == "json":
-            check_json_rows(list(source.data_files), text_field)
+            _check_json(list(source.data_files), text_field)
+        elif source.is_local and (fmt := source_format(cfg, source)) != TEXT:
+            check_rows(_instruction_rows(source, fmt), fmt)
+
+
+def _json_format(files: list[str], text_field: str) -> str:
+    first = first_json_record([f for f in files if os.path.getsize(f) > 0])
+    return data_format(first if isinstance(first, dict) else (), text_field)
+
+
+def _check_json(files: list[str], text_field: str) -> None:
+    """Check every row as what the first one is: file:line for a bad row, before pyarrow's "in row 3"."""
+    fmt = _json_format(files, text_field)
+    if fmt == TEXT:
+        check_json_rows(files, text_field)
+    else:
+        check_rows(json_records(files), fmt)
+
+
+def _instruction_rows(source: DataSource, fmt: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, row) for each row of parquet files or a saved dataset, with the fields `fmt` reads; read
+    directly (pyarrow, or the saved dataset's memory map), so a check writes no cache."""
+    fields = ["messages"] if fmt == CHAT else ["prompt", "completion"]
+    if source.builder == "parquet":
+        import pyarrow.parquet as pq
+
+        for name in source.data_files:
+            table = pq.ParquetFile(name)
+            present = [f for f in fields if f in table.schema_arrow.names]
+            rows = (row for batch in table.iter_batches(batch_size=1000, columns=present) for row in batch.to_pylist())
+            yield from ((f"{name} row {k}", row) for k, row in enumerate(rows, 1))
+    else:
+        ds = _load_saved(source, streaming=False)
+        present = [f for f in fields if f in ds.column_names]
+        for lo in range(0, len(ds), 1000):
+            batch = ds.select_columns(present)[lo:lo + 1000]
+            for k in range(len(batch[present[0]])):
+                yield f"{source.label} row {lo + k + 1}", {f: batch[f][k] for f in present}
 
 
 def _first_line(err: BaseException) -> str:
@@ -211,7 +275,7 @@ def _load_local(source: DataSource, cfg: DataConfig, streaming: bool) -> dataset
     if not files:
         return None
     if source.builder == "json":
-        check_json_rows(files, cfg.text_field)  # file:line for a bad row, before pyarrow's "in row 3"
+        _check_json(files, cfg.text_field)
     kwargs = {"sample_by": cfg.txt_sample_by, "keep_linebreaks": True} if source.builder == "text" else {}
     try:
         return datasets.load_dataset(
@@ -275,4 +339,19 @@ def load_text_dataset(cfg: DataConfig, split: str = "train", streaming: bool | N
     return ds.rename_column(field, "text") if field != "text" else ds
 
 
-__all__ = ["C4", "DEFAULT_CORPUS", "DataConfig", "DataSource", "check_local_rows", "load_text_dataset", "resolve_source"]
+def load_instruction_rows(cfg: DataConfig, source: DataSource | None = None) -> tuple[datasets.Dataset | None, str]:
+    """A local source's instruction rows (map-style, with their fields) and their format (chat or
+    prompt/completion), every row checked: JSON rows by file:line, the others by row number. None for no rows."""
+    source = source or resolve_source(cfg)
+    fmt = source_format(cfg, source)
+    assert fmt != TEXT and source.is_local, "instruction rows come from local files"
+    ds = _load_local(source, cfg, streaming=False)
+    if ds is None or len(ds) == 0:
+        return None, fmt
+    if source.builder != "json":  # JSON rows were checked line by line before datasets read them
+        check_rows(_instruction_rows(source, fmt), fmt)
+    return ds, fmt
+
+
+__all__ = ["C4", "DEFAULT_CORPUS", "DataConfig", "DataSource", "check_local_rows", "load_instruction_rows",
+           "load_text_dataset", "resolve_source", "source_format"]

@@ -305,7 +305,8 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
                   checkpoint_policy=s.checkpointing,
                   sp_size=sp_size, tp_size=tp_size, pp_size=pp)
     precision = precision_for(device, source, env)
-    base = source.config if source.config is not None else ds_config(s, chosen.grad_accum, request.gpu)
+    base = source.config if source.config is not None else ds_config(s, chosen.grad_accum, request.gpu,
+                                                                      request.nvme_path)
     cfg = finalize_ds_config(base, knobs, world.size, precision, pins.get("clipping"), zero_plus(layout))
     quantized = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if cfg["zero_optimization"].get(k)]
     if cpu and quantized:
