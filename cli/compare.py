@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -32,16 +32,20 @@ def _why_not(d: dict) -> str:
 def compare(
     config: RunConfig,
     model: Annotated[str, typer.Option("--model", "-m", help="Comma-separated presets or config paths.")] = "b1,b7",
-    arch: Annotated[str, typer.Option(help="Comma-separated archs.")] = "dense,moe,mod,hybrid",
+    arch: Annotated[Optional[str], typer.Option(
+        help="Comma-separated archs (default: dense,moe,mod,hybrid; a fine-tune: the checkpoint's own).")] = None,
     gpu: Annotated[str, typer.Option("--gpu", "-g", help="Comma-separated GPUs.")] = "t4-16gb,rtx4090-24gb,a100-40gb",
     json_output: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
     csv_output: Annotated[bool, typer.Option("--csv", help="Print CSV.")] = False,
 ) -> None:
     """Compare model x arch x GPU: fits, plan, peak memory, tokens/s, hours, cost, cost per 1B tokens."""
-    hw, tokens = config.hardware, config.schedule.tokens
-    rows = compare_plans(_split(model), _split(arch), _split(gpu), gpus=hw.gpus or 1, nodes=hw.nodes or 1,
+    hw, tokens, ft = config.hardware, config.schedule.tokens, config.finetune
+    archs = _split(arch) if arch else [None] if ft.finetune else ["dense", "moe", "mod", "hybrid"]
+    rows = compare_plans(_split(model), archs, _split(gpu), gpus=hw.gpus or 1, nodes=hw.nodes or 1,
                          seq_len=config.data.seq_len or 2048, tokens=tokens, loss_law=config.quality.loss_law,
-                         dataset_tokens=config.quality.dataset_tokens)
+                         dataset_tokens=config.quality.dataset_tokens, finetune=ft.finetune, lora_rank=ft.lora_rank,
+                         lora_alpha=ft.lora_alpha, lora_targets=ft.lora_targets, lora_dropout=ft.lora_dropout,
+                         epochs=ft.epochs)
     dicts = [row_dict(r) for r in rows]
     if json_output:
         print(json.dumps(dicts, indent=2))
@@ -72,7 +76,8 @@ def compare(
         t.add_row(d["model"], d["arch"], f"{d['num_gpus']}x{d['gpu']}", "yes" if d["fits"] else f"[red]no[/red]: {_why_not(d)}",
                   plan, gib(d["peak_gpu_bytes"]), human(d["tokens_per_second"]),
                   duration(d["train_hours"]) if d["fits"] else "-", f"${d['cost_usd']:,.0f}" if d["fits"] else "-",
-                  f"${d['cost_per_1b_tokens_usd']:,.2f}" if d["fits"] else "-", f"{d['predicted_loss']:.3f}", best)
+                  f"${d['cost_per_1b_tokens_usd']:,.2f}" if d["fits"] else "-",
+                  "-" if d["predicted_loss"] is None else f"{d['predicted_loss']:.3f}", best)
     console.print(t)
     for d in dicts:
         if d["quality_tie"]:
@@ -82,8 +87,10 @@ def compare(
         console.print("no: GPU = even the smallest peak exceeds the GPU's memory; no: host RAM = it fits the GPU only "
                       "with CPU offload, which needs more host RAM per node than it has (needed/available; --json and "
                       "--csv say it in why_not, why_not_detail).")
-    laws = sorted({d["loss_law"] for d in dicts})
-    console.print(f"Token budget: {'given' if tokens else '20 x active params per model (Chinchilla)'}. loss = "
+    laws = sorted({d["loss_law"] for d in dicts if d["loss_law"]}) or ["none: a fine-tune predicts no loss"]
+    budget = "given" if tokens else ("--dataset-tokens x --epochs" if ft.finetune else
+                                     "20 x active params per model (Chinchilla)")
+    console.print(f"Token budget: {budget}. loss = "
                   f"predicted final loss ({'; '.join(laws)}; `adaptive fit` shows its band and source). best: loss = "
                   "lowest predicted loss; cheapest = lowest cost of the run; speed = most tokens/s; $/token = lowest $ "
                   "per 1B tokens; loss/$ = most loss reduction per extra dollar over the cheapest run. Each among "

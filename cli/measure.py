@@ -36,7 +36,9 @@ def measure(
     request = make_request(model=model, gpu=hw.gpu or ("a100-80gb" if hw.gpu_mem is None else None),
                            arch=config.model.arch, seq_len=config.data.seq_len or 2048, micro_batch=micro_batch,
                            capacity_factor=config.model.capacity_factor, mod_capacity=config.model.mod_capacity,
-                           zero=zero, gpu_mem_gib=hw.gpu_mem, gpu_tflops=hw.gpu_tflops, kernels=config.model.kernels)
+                           zero=zero, gpu_mem_gib=hw.gpu_mem, gpu_tflops=hw.gpu_tflops, kernels=config.model.kernels,
+                           finetune=(ft := config.finetune).finetune, lora_rank=ft.lora_rank, lora_alpha=ft.lora_alpha,
+                           lora_targets=ft.lora_targets, lora_dropout=ft.lora_dropout)
     validate(request)  # the ZeRO stage too: 0-3, and not 3 for MoE
     if save_calibration:  # before minutes of measuring, not after
         from adaptive.fidelity.calibrate import check_writable

@@ -247,18 +247,18 @@ class FinetuneOptions:
     """Fine-tuning a downloaded checkpoint: in full, or LoRA / QLoRA adapters on a frozen base."""
 
     finetune: str | None = option(
-        None, "--finetune", commands=FIT_ONLY | {COMPARE}, choices=("full", "lora", "qlora"),
+        None, "--finetune", commands=FIT_ONLY | {COMPARE, MEASURE}, choices=("full", "lora", "qlora"),
         help="Plan a fine-tune of --model PATH/config.json: full (every parameter), lora (PEFT LoRA on a frozen 16-bit "
              "base) or qlora (LoRA on a bitsandbytes NF4 base, double-quantized). Without it a plan is pretraining.")
-    lora_rank: int | None = option(None, "--lora-rank", commands=FIT_ONLY | {COMPARE}, minimum=1,
+    lora_rank: int | None = option(None, "--lora-rank", commands=FIT_ONLY | {COMPARE, MEASURE}, minimum=1,
                                    help="LoRA rank r (default 16).")
-    lora_alpha: float | None = option(None, "--lora-alpha", commands=FIT_ONLY | {COMPARE}, above=0.0,
+    lora_alpha: float | None = option(None, "--lora-alpha", commands=FIT_ONLY | {COMPARE, MEASURE}, above=0.0,
                                       help="LoRA alpha (default 2 x rank).")
     lora_targets: str | None = option(
-        None, "--lora-targets", commands=FIT_ONLY | {COMPARE},
+        None, "--lora-targets", commands=FIT_ONLY | {COMPARE, MEASURE},
         help="Linear layers LoRA adapts: all-linear (PEFT's: every nn.Linear but the output layer; default), "
              "attention, or module names as PEFT takes them (q_proj,v_proj).")
-    lora_dropout: float | None = option(None, "--lora-dropout", commands=FIT_ONLY | {COMPARE}, minimum=0.0,
+    lora_dropout: float | None = option(None, "--lora-dropout", commands=FIT_ONLY | {COMPARE, MEASURE}, minimum=0.0,
                                         help="LoRA dropout (default 0, PEFT's); each target then keeps its own "
                                              "dropped copy of its input for backward.")
     epochs: float | None = option(None, "--epochs", commands=FIT_ONLY | {COMPARE}, above=0.0, maximum=1000.0,

@@ -6,7 +6,8 @@ from dataclasses import dataclass, replace
 
 from adaptive.fidelity.measure import Measurement, checkpoint_policy, measure_step, transformers_class_builds
 from adaptive.plan.architecture.hf_config import looks_like_path, read_config_json
-from adaptive.plan.estimate.memory import STAGE3_PREFETCH_ELEMENTS, TrainSetup, estimate_memory, reduce_bucket_elements
+from adaptive.plan.estimate.memory import (STAGE3_PREFETCH_ELEMENTS, TrainSetup, estimate_memory, reduce_bucket_elements,
+                                           trained_counts)
 from adaptive.plan.architecture.params import count_params
 from adaptive.plan.search.planner import FitRequest
 
@@ -40,8 +41,8 @@ def setup_for(request: FitRequest, zero_stage: int, micro_batch: int, checkpoint
     return TrainSetup(spec=request.spec, seq_len=request.seq_len, micro_batch_size=micro_batch,
                       zero_stage=zero_stage, offload_optimizer=False, offload_params=False,
                       gradient_checkpointing=policy == "full", capacity_factor=request.capacity_factor,
-                      kernels=kernels or request.kernels,
-                      checkpoint_policy=None if policy in ("off", "full") else policy)
+                      kernels=kernels or request.kernels, attention=request.attention,
+                      checkpoint_policy=None if policy in ("off", "full") else policy, finetune=request.finetune)
 
 
 def compare(request: FitRequest, model_arg: str, *, zero_stage: int = 0, micro_batch: int = 1,
@@ -52,7 +53,7 @@ def compare(request: FitRequest, model_arg: str, *, zero_stage: int = 0, micro_b
     kernels = "plain" if transformers_class_builds(request.spec, hf_config) else request.kernels
     setup = setup_for(request, zero_stage, micro_batch, checkpointing, kernels)
     predicted = estimate_memory(setup)
-    counts = count_params(request.spec)
+    counts = trained_counts(setup, count_params(request.spec))  # the buckets carry what trains
     buckets: int | tuple[int, ...] = 0
     if zero_stage in (1, 2):
         buckets = reduce_bucket_elements(counts)  # two, double-buffered
@@ -61,7 +62,8 @@ def compare(request: FitRequest, model_arg: str, *, zero_stage: int = 0, micro_b
     dtype = "bf16" if request.gpu.bf16 else "fp16"
     m = measure_step(request.spec, setup.seq_len, micro_batch, checkpointing, zero_stage=zero_stage, dtype=dtype,
                      hf_config=hf_config, bucket_elements=buckets, full_depth=full_depth,
-                     capacity_factor=request.capacity_factor, kernels=kernels)
+                     capacity_factor=request.capacity_factor, kernels=kernels, finetune=request.finetune,
+                     attn_implementation=request.attention)
     p = predicted.parts
     # ZeRO-3 gathers each layer's parameters during forward and backward (4 bytes x the largest layer in
     # the plan). That is DeepSpeed's runtime, which a one-process fake step does not run: left out of

@@ -24,11 +24,12 @@ def compare(models: list[str], archs: list[str], gpu_names: list[str], **request
     plans = [fit(make_request(model=m, arch=a, gpu=g, **request_kwargs), suggest=False)
              for m in models for a in archs for g in gpu_names]
     fitting = [p for p in plans if p.fits]
-    quality = min(fitting, key=lambda p: p.quality.predicted_loss, default=None)
+    predicted = [p for p in fitting if p.quality is not None]  # a fine-tune predicts no loss
+    quality = min(predicted, key=lambda p: p.quality.predicted_loss, default=None)
     speed = max(fitting, key=lambda p: p.shown.throughput.tokens_per_second, default=None)
     cost = min(fitting, key=lambda p: p.cost / p.train_tokens, default=None)
     cheapest = min(fitting, key=lambda p: p.cost, default=None)
-    value = best_value(fitting)
+    value = best_value(predicted)
     return [Row(p, p is quality, p is speed, p is cost, p is cheapest, p is value, quality_tie(p, quality))
             for p in plans]
 
@@ -127,9 +128,10 @@ def row_dict(row: Row) -> dict:
         "train_hours": p.hours,
         "cost_usd": p.cost,
         "cost_per_1b_tokens_usd": p.cost / p.train_tokens * 1e9,
-        "predicted_loss": p.quality.predicted_loss,
-        "loss_band": list(p.quality.band),
-        "loss_law": p.quality.law,
+        "predicted_loss": p.quality.predicted_loss if p.quality else None,  # None: a fine-tune (quality_absent_reason)
+        "loss_band": list(p.quality.band) if p.quality else None,
+        "loss_law": p.quality.law if p.quality else None,
+        "finetune": p.request.finetune.method if p.request.finetune else None,
         "best_quality": row.best_quality,
         "ties_best_quality": row.quality_tie is not None,  # the law cannot tell it from the lowest loss
         "quality_tie": row.quality_tie.words() if row.quality_tie else None,
