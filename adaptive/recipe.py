@@ -39,12 +39,20 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="Plan and print the run 
 
 @dataclass(frozen=True)
 class Recipe:
-    """A preset trained as an architecture. `--model` / `--arch` on its command line override them."""
+    """A preset trained as an architecture. `--model` / `--arch` on its command line override them. A fine-tune
+    recipe (`finetune`: its default method) trains the checkpoint --init-from names, as that checkpoint's arch."""
 
-    model: str
-    arch: str
+    model: str | None = None
+    arch: str = "dense"
+    finetune: str | None = None  # lora | qlora | full: a fine-tune recipe's default --finetune
 
     def __post_init__(self) -> None:
+        if self.finetune is not None:
+            from adaptive.plan.finetune.method import METHODS
+
+            if self.finetune not in METHODS:
+                raise AdaptiveError(f"recipe finetune {self.finetune!r} is not one of {', '.join(METHODS)}")
+            return
         if self.model not in PRESETS:
             raise AdaptiveError(f"recipe model {self.model!r} is not a preset ({', '.join(PRESETS)})")
         if self.arch not in ARCHS:
@@ -52,18 +60,39 @@ class Recipe:
 
     @property
     def name(self) -> str:
-        return f"{self.model}_{self.arch}"
+        return "finetune" if self.finetune is not None else f"{self.model}_{self.arch}"
+
+    def with_defaults(self, config: RunConfig) -> RunConfig:
+        """A fine-tune recipe's method where --finetune leaves it out."""
+        if self.finetune is None or config.finetune.finetune is not None:
+            return config
+        return config.replace(finetune=self.finetune)
 
     def resolve(self, config: RunConfig) -> tuple[str, str]:
         """(preset, arch) of a run: the flags', else the recipe's. The "preset" may be a config.json (a shape the
         planner reads: `adaptive fit --budget-* --out DIR` writes one), trained from a fresh start. With
         --init-from the checkpoint's config.json is the shape; the preset still names the run folder and the
-        default --lr."""
+        default --lr. A fine-tune (--finetune) is of --init-from's checkpoint, in its own arch: the checkpoint's
+        folder names the run."""
         from adaptive.plan.architecture.hf_config import looks_like_path
 
         if config.model.init_from and config.model.name:
             raise AdaptiveError("give --model or --init-from, not both: --init-from takes the shape from its "
                                 "config.json")
+        if config.finetune.finetune is not None:
+            if not config.model.init_from:
+                raise AdaptiveError(f"--finetune {config.finetune.finetune} fine-tunes a checkpoint: give --init-from "
+                                    "PATH, a folder with its config.json and weights (and tokenizer)")
+            if config.model.arch:
+                raise AdaptiveError("--arch does not apply to a fine-tune: it trains the checkpoint's own arch")
+            from adaptive.train.run_folder.init_from import check_finetune_source
+            from adaptive.plan.request import resolve_model
+
+            check_finetune_source(config.model.init_from)  # one line, before anything starts
+            folder = str(Path(config.model.init_from).expanduser())
+            return folder, resolve_model(folder).arch
+        if self.finetune is not None:
+            raise AdaptiveError("recipes/finetune.py fine-tunes a checkpoint: give --init-from PATH")
         preset = config.model.name or self.model
         arch = config.model.arch or self.arch
         if looks_like_path(preset):
@@ -80,6 +109,7 @@ class Recipe:
         """Parse `argv` (default sys.argv), then plan and train, or print the plan with --dry-run."""
 
         def act(config: RunConfig, dry_run: bool) -> None:
+            config = self.with_defaults(config)
             preset, arch = self.resolve(config)
             if dry_run:
                 sys.stdout.write(json.dumps(plan_only(config, preset, arch), indent=2) + "\n")
@@ -108,8 +138,11 @@ class Recipe:
     def _app(self, act: Callable[[RunConfig, bool], None]) -> typer.Typer:
         app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
-        @app.command(help=f"Train the {self.model} preset as {self.arch} on DeepSpeed, sized by the planner. Launch "
-                          "with `accelerate launch` (or torchrun / deepspeed); plain python runs one process.")
+        what = (f"Fine-tune the checkpoint --init-from names ({self.finetune} unless --finetune says otherwise)"
+                if self.finetune else f"Train the {self.model} preset as {self.arch}")
+
+        @app.command(help=f"{what} on DeepSpeed, sized by the planner. Launch with `accelerate launch` (or torchrun / "
+                          "deepspeed); plain python runs one process.")
         @with_run_options(TRAIN)
         def recipe_command(config: RunConfig, dry_run: DryRun = False) -> None:
             act(config, dry_run)

@@ -247,23 +247,25 @@ class FinetuneOptions:
     """Fine-tuning a downloaded checkpoint: in full, or LoRA / QLoRA adapters on a frozen base."""
 
     finetune: str | None = option(
-        None, "--finetune", commands=FIT_ONLY | {COMPARE, MEASURE}, choices=("full", "lora", "qlora"),
-        help="Plan a fine-tune of --model PATH/config.json: full (every parameter), lora (PEFT LoRA on a frozen 16-bit "
-             "base) or qlora (LoRA on a bitsandbytes NF4 base, double-quantized). Without it a plan is pretraining.")
-    lora_rank: int | None = option(None, "--lora-rank", commands=FIT_ONLY | {COMPARE, MEASURE}, minimum=1,
+        None, "--finetune", commands=PLANNING | {COMPARE, MEASURE}, choices=("full", "lora", "qlora"),
+        help="Fine-tune a checkpoint (fit: --model PATH/config.json; a run: --init-from PATH): full (every parameter), "
+             "lora (PEFT LoRA on a frozen 16-bit base) or qlora (LoRA on a bitsandbytes NF4 base, double-quantized). "
+             "Without it a plan is pretraining.")
+    lora_rank: int | None = option(None, "--lora-rank", commands=PLANNING | {COMPARE, MEASURE}, minimum=1,
                                    help="LoRA rank r (default 16).")
-    lora_alpha: float | None = option(None, "--lora-alpha", commands=FIT_ONLY | {COMPARE, MEASURE}, above=0.0,
+    lora_alpha: float | None = option(None, "--lora-alpha", commands=PLANNING | {COMPARE, MEASURE}, above=0.0,
                                       help="LoRA alpha (default 2 x rank).")
     lora_targets: str | None = option(
-        None, "--lora-targets", commands=FIT_ONLY | {COMPARE, MEASURE},
+        None, "--lora-targets", commands=PLANNING | {COMPARE, MEASURE},
         help="Linear layers LoRA adapts: all-linear (PEFT's: every nn.Linear but the output layer; default), "
              "attention, or module names as PEFT takes them (q_proj,v_proj).")
-    lora_dropout: float | None = option(None, "--lora-dropout", commands=FIT_ONLY | {COMPARE, MEASURE}, minimum=0.0,
+    lora_dropout: float | None = option(None, "--lora-dropout", commands=PLANNING | {COMPARE, MEASURE}, minimum=0.0,
                                         help="LoRA dropout (default 0, PEFT's); each target then keeps its own "
                                              "dropped copy of its input for backward.")
-    epochs: float | None = option(None, "--epochs", commands=FIT_ONLY | {COMPARE}, above=0.0, maximum=1000.0,
-                                  help="Epochs over the dataset: a fine-tune trains --dataset-tokens x --epochs "
-                                       "tokens (default 1 epoch of 10M tokens).")
+    epochs: float | None = option(None, "--epochs", commands=PLANNING | {COMPARE}, above=0.0, maximum=1000.0,
+                                  help="Passes over the dataset (a fine-tune's default: 1): a run counts its steps "
+                                       "from its examples; fit plans --dataset-tokens x --epochs tokens (10M, 1 epoch "
+                                       "unless given).")
 
 
 @record
@@ -283,7 +285,7 @@ class OptimizerOptions:
     """The optimizer and its schedule."""
 
     optimizer: str | None = option(
-        None, "--optimizer", commands=FIT_ONLY,
+        None, "--optimizer", commands=PLANNING,
         help="Optimizer implementation: auto (fused AdamW, as adaptive runs), adamw_torch (foreach), "
              "adamw_torch_fused, deepspeed_fused_adam, deepspeed_cpu_adam, or bitsandbytes' adamw_8bit and "
              "paged_adamw_8bit (8-bit moments; the paged one's spill to host RAM).")

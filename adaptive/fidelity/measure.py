@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover - older huggingface_hub
     StrictDataclassError = ValueError
 
 from adaptive.errors import AdaptiveError
+from adaptive.plan.architecture.families import peft_target_modules
 from adaptive.plan.architecture.hf_config import MOE_TYPES
 from adaptive.plan.architecture.presets import ModelSpec, layer_pattern
 from adaptive.plan.finetune.method import Finetune
@@ -235,18 +236,6 @@ def enable_checkpointing(model: torch.nn.Module, spec: ModelSpec, hf_config: dic
         from adaptive.models.checkpointing import apply_checkpointing
 
         apply_checkpointing(model, policy)
-
-
-def peft_target_modules(spec: ModelSpec, targets: str) -> str | list[str]:
-    """`--lora-targets` in PEFT's words: "all-linear" and module names as they are; "attention" (ours) as the
-    family's attention linears."""
-    from adaptive.plan.architecture.families import family_of
-
-    if targets == "attention":
-        return list(family_of(spec).attention)
-    if targets == "all-linear":
-        return targets
-    return [n.strip() for n in targets.split(",") if n.strip()]
 
 
 class NativeDropout(torch.nn.Dropout):

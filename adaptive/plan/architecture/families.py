@@ -212,6 +212,17 @@ def resolve_targets(spec: ModelSpec, targets: str) -> tuple[LinearModule, ...]:
     return tuple(m for m in [*modules, *sites.values()] if m.name in chosen)
 
 
+def peft_target_modules(spec: ModelSpec, targets: str) -> str | list[str]:
+    """`--lora-targets` as PEFT's LoraConfig(target_modules=...) takes it: "all-linear" and module names as they are,
+    "attention" (ours) as the family's attention linears. resolve_targets says what PEFT makes of it."""
+    resolve_targets(spec, targets)  # a name that matches nothing: one line here, not PEFT's ValueError later
+    if targets == "attention":
+        return list(family_of(spec).attention)
+    if targets == "all-linear":
+        return targets
+    return [n.strip() for n in targets.split(",") if n.strip()]
+
+
 def _no_match(spec: ModelSpec, name: str, valid: list[str]) -> str:
     from adaptive.errors import closest
 
@@ -231,4 +242,4 @@ def _no_match(spec: ModelSpec, name: str, valid: list[str]) -> str:
 
 
 __all__ = ["FAMILIES", "Family", "HF_TYPES", "LinearModule", "PEFT_MOE_TARGETS", "TARGET_ALIASES", "family_of",
-           "linear_modules", "resolve_targets"]
+           "linear_modules", "peft_target_modules", "resolve_targets"]

@@ -113,15 +113,17 @@ class StepStats:
         return cls(z.clone(), z.clone(), z.clone())
 
     def add(self, outputs: Any, loss: torch.Tensor) -> None:
-        """Add one micro-batch: its loss (LM + aux) and the model's router statistics."""
+        """Add one micro-batch: its loss (LM + aux) and the model's router statistics (transformers' own classes, which
+        a fine-tune trains, may carry neither)."""
         loss = loss.detach().to(torch.float64)
-        aux = outputs.aux_loss.detach().to(torch.float64) if outputs.aux_loss is not None else None
+        aux = getattr(outputs, "aux_loss", None)
+        aux = aux.detach().to(torch.float64) if aux is not None else None
         self.loss += loss
         self.lm_loss += loss - aux if aux is not None else loss
         if aux is not None:
             self.aux_loss += aux
         self.micro_batches += 1
-        self.add_router_stats(outputs.router_stats)
+        self.add_router_stats(getattr(outputs, "router_stats", None))
 
     def add_router_stats(self, stats: Any) -> None:
         """Add one micro-batch's router statistics (AdaptiveRouterStats, or None for a dense model)."""

@@ -123,8 +123,16 @@ def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] 
     opt, out = config.optimizer, config.output
     set_seed(opt.seed)
     data = setup.load_data(config.data, opt.seed, plan, accelerator, plan.plan.request.spec.vocab_size)
-    model = setup.build_model(plan, data.tokenizer, opt.seed)
-    optimizer = setup.build_optimizer(model, plan.knobs, setup.peak_lr(opt.lr, preset), opt.weight_decay)
+    if plan.epochs is not None:  # a fine-tune's length: whole passes over its examples
+        samples = getattr(data.train, "samples_per_epoch", None)
+        if samples is None:
+            raise AdaptiveError("--epochs needs data with a known size (a local file or saved dataset); streamed data "
+                                "have none: give --max-steps or --tokens")
+        plan = plan.with_epochs(samples)
+        logger.info("%g epoch(s) of %d examples: %d steps", plan.epochs, samples, plan.max_steps)
+    model = setup.build_model(plan, data.tokenizer, opt.seed, accelerator.device)
+    lr = setup.peak_lr(opt.lr, preset) if opt.lr is not None or not plan.finetune else plan.plan.hyperparams.lr
+    optimizer = setup.build_optimizer(model, plan.knobs, lr, opt.weight_decay, plan.plan.request.optimizer)
     warmup = opt.warmup_steps if opt.warmup_steps is not None else setup.default_warmup(plan.max_steps)
     lr_scheduler = setup.build_scheduler(optimizer, warmup, plan.max_steps)
     engine, optimizer, scheduler = accelerator.prepare(model, optimizer, lr_scheduler)

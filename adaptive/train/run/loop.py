@@ -363,7 +363,8 @@ def _evaluate(state: TrainerState, control: Control, loop: Loop) -> dict[str, An
         for batch in batches[:count]:
             batch = {k: v.to(loop.device) for k, v in batch.items()}
             out = engine(**batch)
-            lm = out.loss - out.aux_loss if out.aux_loss is not None else out.loss
+            aux = getattr(out, "aux_loss", None)  # transformers' classes (a fine-tune) may have none
+            lm = out.loss - aux if aux is not None else out.loss
             tokens = (batch["labels"][:, 1:] != -100).sum()
             total += torch.stack([lm.double() * tokens, tokens.double()])
     engine.train()
@@ -410,7 +411,7 @@ def _save(state: TrainerState, control: Control, loop: Loop) -> Path:
         {"position": state.samples_seen, "workers": None, "loader": None}
     rank_files = {ckpt.data_state_file(state.accelerator.process_index): json.dumps(data_state) + "\n"}
     path = ckpt.save_checkpoint(state.accelerator, state.output_dir, state.step, trainer_state,
-                                loop.settings.keep_checkpoints, rank_files=rank_files)
+                                loop.settings.keep_checkpoints, rank_files=rank_files, trained_only=_adapted(loop))
     state.last_checkpoint, state.last_checkpoint_step = path, state.step
     loop.callbacks.on_checkpoint(state, control, path=path)
     return path
@@ -432,18 +433,34 @@ def _export(state: TrainerState, loop: Loop, target: Path) -> Path:
     require_finite_weights(state, "exported")
     meta = {"step": state.step, "tokens_seen": state.tokens_seen, "preset": loop.run.preset, "arch": loop.run.arch,
             "knobs": state.knobs.as_dict()}
+    if loop.run.transformers_class:  # a fine-tune of transformers' class: adapter/ and the merged hf/
+        from adaptive.train.run_folder.finetune_export import export_finetune
+
+        meta["finetune"] = loop.run.finetune.method
+        return export_finetune(state.accelerator, state.model, loop.data.tokenizer, target, loop.run.init_from, meta)
     return ckpt.export_hf(state.accelerator, state.model, loop.data.tokenizer, target, meta)
 
 
+def _adapted(loop: Loop) -> bool:
+    """A LoRA/QLoRA run: its checkpoints hold the adapters and their optimizer states, not the frozen base."""
+    return loop.run.finetune is not None and loop.run.finetune.adapted
+
+
 def model_identity(run: RunPlan) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed into this run's model."""
-    return {"preset": run.preset, "arch": run.arch, "params_total": run.plan.counts.total}
+    """What a checkpoint must match to be resumed into this run's model (a fine-tune: its method too)."""
+    identity = {"preset": run.preset, "arch": run.arch, "params_total": run.plan.counts.total}
+    if run.finetune is not None:
+        ft = run.finetune
+        identity["finetune"] = {"method": ft.method, "rank": ft.lora_rank if ft.adapted else None,
+                                "targets": ft.lora_targets if ft.adapted else None}
+    return identity
 
 
 def require_finite_weights(state: TrainerState, verb: str) -> None:
-    """Stop, naming the last good checkpoint, when any rank's weights (its ZeRO-3 partition) hold NaN or inf:
-    nothing non-finite is ever checkpointed or exported."""
-    tensors = [getattr(p, "ds_tensor", p) for p in state.model.module.parameters()]
+    """Stop, naming the last good checkpoint, when any rank's trained weights (its ZeRO-3 partition) hold NaN or inf:
+    nothing non-finite is ever checkpointed or exported. A frozen base is left alone: its NF4 codes, stored as 16-bit
+    values under ZeRO-3, can read as NaN."""
+    tensors = [getattr(p, "ds_tensor", p) for p in state.model.module.parameters() if p.requires_grad]
     local_bad = ~torch.stack([torch.isfinite(t).all() for t in tensors if t.numel()]).all() if tensors else None
     if not agree_any(state, [False], extra=local_bad)[0]:
         return
@@ -575,7 +592,7 @@ def restore(state: TrainerState, loop: Loop, path: Path) -> None:
     if len(saved["samples_seen"]) != state.world_size:
         raise AdaptiveError(f"checkpoint {path}: trainer_state.json has {len(saved['samples_seen'])} data positions "
                             f"for {state.world_size} processes")
-    ckpt.load_checkpoint(state.accelerator, path, trusted=loop.settings.trust_checkpoints)
+    ckpt.load_checkpoint(state.accelerator, path, trusted=loop.settings.trust_checkpoints, trained_only=_adapted(loop))
     if saved["max_steps"] != state.max_steps:
         logger.warning("the checkpoint's run had max_steps %d, this one %d: the LR schedule follows %d",
                        saved["max_steps"], state.max_steps, state.max_steps)

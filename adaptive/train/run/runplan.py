@@ -183,6 +183,25 @@ class RunPlan:
     orchestrator: bool
     init_from: str | None = None  # the checkpoint folder the weights start from (its config.json is the shape)
     pp_partition: str = "parameters"  # --pp-partition: DeepSpeed's partition_method under --pp-size
+    epochs: float | None = None  # passes over the data (a fine-tune's default: 1); max_steps then follows the data
+
+    @property
+    def finetune(self) -> Any:
+        """The fine-tuning method (plan/finetune/method.py), None for pretraining."""
+        return self.plan.request.finetune
+
+    @property
+    def transformers_class(self) -> bool:
+        """A fine-tune of a transformers family trains transformers' own class (adaptive/models/finetune.py)."""
+        return self.finetune is not None and self.plan.request.spec.model_type != "adaptive"
+
+    def with_epochs(self, samples_per_epoch: int) -> RunPlan:
+        """max_steps for `epochs` passes over `samples_per_epoch` samples (over every data-parallel replica)."""
+        if self.epochs is None:
+            return self
+        replicas = _data_parallel_ranks(self.world.size, 1, self.knobs.tp_size, self.knobs.pp_size)
+        per_step = self.knobs.samples_per_step * replicas
+        return replace(self, max_steps=max(1, math.ceil(self.epochs * samples_per_epoch / per_step)))
 
     @property
     def tokens_per_step(self) -> int:
@@ -222,6 +241,8 @@ class RunPlan:
             "knobs": self.knobs.as_dict(),
             "ds_config_source": {"kind": self.ds_source.kind, "path": self.ds_source.path},
             "max_steps": self.max_steps,
+            "epochs": self.epochs,
+            "finetune": self.finetune.method if self.finetune else None,
             "init_from": self.init_from,
             "tokens_per_step": self.tokens_per_step,
             "model_flops_per_token": self.model_flops_per_token,
@@ -276,14 +297,25 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
     tokens, max_steps = config.schedule.tokens, config.schedule.max_steps
     if tokens is not None and max_steps is not None:
         raise AdaptiveError("give --max-steps or --tokens, not both")
+    ft = config.finetune
+    if ft.finetune and not config.model.init_from:
+        raise AdaptiveError(f"--finetune {ft.finetune} fine-tunes a checkpoint: give --init-from PATH, a folder with "
+                            "its config.json and weights (and tokenizer)")
+    if ft.epochs is not None and (tokens is not None or max_steps is not None):
+        raise AdaptiveError("give --epochs, --max-steps or --tokens, not two of them")
     request = make_request(
-        model=planned_model(config.model.init_from, preset, arch), arch=arch, kernels="lean",  # what recipes train
+        model=planned_model(config.model.init_from, preset, arch, finetune=ft.finetune),
+        # a fine-tune trains the checkpoint's own arch with its own class (transformers' for their families);
+        # otherwise what recipes train: our classes with their lean kernels
+        arch=None if ft.finetune else arch, kernels=None if ft.finetune else "lean",
         gpu=device.gpu.name if device.gpu else (gpu or NOMINAL_GPU),
         gpus=world.per_node, nodes=world.nodes, seq_len=seq, global_batch_tokens=global_tokens,
         tokens=tokens, zero=zero, offload=offload, micro_batch=micro, grad_accum=accum,
         checkpointing=checkpointing, ep_size=ep_size, checkpoint_policy=policy,
         sp_size=layout.get("sp_size"), tp_size=layout.get("tp_size"), zero_hpz=layout.get("zero_hpz"),
-        zero_quantize=layout.get("zero_quantize"), pp_size=layout["pp_size"],
+        zero_quantize=layout.get("zero_quantize"), pp_size=layout["pp_size"], optimizer=config.optimizer.optimizer,
+        finetune=ft.finetune, lora_rank=ft.lora_rank, lora_alpha=ft.lora_alpha, lora_targets=ft.lora_targets,
+        lora_dropout=ft.lora_dropout, epochs=ft.epochs, nvme_path=par.nvme_path, nvme_gbps=par.nvme_gbps,
     )
     # fit refuses, in one line, a layout DeepSpeed or this runtime cannot train (plan/estimate/parallel.py layout_error)
     plan = fit(request, suggest=not cpu)
@@ -314,13 +346,16 @@ def plan_run(config: RunConfig, preset: str, arch: str, world: World, device: De
         # (comm/coalesced_collectives.py): DeepSpeed's CPU op builder has no QuantizerBuilder
         raise AdaptiveError(f"ZeRO++ quantized communication ({', '.join(quantized)}) needs DeepSpeed's quantizer "
                             "kernels, which it builds for GPUs only; on a CPU use --zero-quantize off (--zero-hpz runs)")
+    # a fine-tune runs whole epochs of its data unless told otherwise: the steps are counted once the data are read
+    epochs = ft.epochs if ft.epochs is not None else 1.0 if ft.finetune and tokens is None and max_steps is None \
+        else None
     max_steps = steps_for(max_steps, tokens, knobs, world.size, plan, cpu)
     requested = config.orchestrator.orchestrator
     enabled = requested == "on" or (requested == "auto" and plan.orchestrator.recommended)
     return RunPlan(preset=preset, arch=arch, plan=plan, knobs=knobs, ds_config=cfg, ds_source=source,
                    precision=precision, device=device, world=world, max_steps=max_steps,
                    orchestrator_requested=requested, orchestrator=enabled, init_from=config.model.init_from,
-                   pp_partition=pipeline_partition(par.pp_partition or "parameters"))
+                   pp_partition=pipeline_partition(par.pp_partition or "parameters"), epochs=epochs)
 
 
 def pipeline_zero(pp: int, zero: int | None, sp: int, tp: int, ep: int | None, arch: str, world: World) -> int:

@@ -195,13 +195,21 @@ def resolve_dataset(flag: str | None, device_kind: str) -> str | None:
     return "c4" if device_kind == "cuda" and not offline else None
 
 
-def build_model(run: RunPlan, tokenizer: Any, seed: int) -> Any:
+def build_model(run: RunPlan, tokenizer: Any, seed: int, device: Any = None) -> Any:
     """The preset (or --init-from's checkpoint, weights loaded) as `arch`, DeepSpeed MoE (with the plan's ep_size)
-    for MoE layers; under --pp-size this rank's pipeline stage of it."""
+    for MoE layers; under --pp-size this rank's pipeline stage of it. A fine-tune of a transformers family: that
+    family's own class with the method applied (adaptive/models/finetune.py)."""
     from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
     from adaptive.train.run_folder.init_from import load_init_weights, target_config
 
     knobs = run.knobs
+    if run.transformers_class:
+        from adaptive.models.finetune import apply_method, load_pretrained
+
+        request = run.plan.request
+        model = load_pretrained(run.init_from, run.finetune, run.precision, knobs.zero_stage, request.attention,
+                                device if device is not None else torch.device("cpu"))
+        return apply_method(model, request.spec, run.finetune, knobs.checkpoint_policy)
     settings = dict(moe_implementation="deepspeed" if block_type(run.arch).has_experts else "native",
                     ep_size=knobs.ep_size, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                     pad_token_id=tokenizer.pad_token_id)
@@ -264,20 +272,33 @@ def param_groups(model: Any, weight_decay: float) -> list[dict]:
     no_decay = [p for p in model.parameters() if p.requires_grad and not matrix(p)]
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
-    if model.config.moe_layers and model.config.moe_implementation == "deepspeed":
+    # transformers' classes (a fine-tune) have no DeepSpeed MoE layers
+    if getattr(model.config, "moe_layers", None) and model.config.moe_implementation == "deepspeed":
         groups = moe_param_groups(groups)
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: Any, knobs: Knobs, lr: float, weight_decay: float) -> Any:
-    """AdamW(0.9, 0.95, eps 1e-8): torch's, or DeepSpeed's CPU Adam when the optimizer is offloaded."""
+def build_optimizer(model: Any, knobs: Knobs, lr: float, weight_decay: float, optimizer: str = "auto") -> Any:
+    """AdamW(0.9, 0.95, eps 1e-8) as `--optimizer` names it (plan/estimate/optimizers.py): torch's (auto, foreach or
+    fused), bitsandbytes' 8-bit ones (adamw_8bit, paged_adamw_8bit: a client optimizer DeepSpeed runs under ZeRO),
+    DeepSpeed's FusedAdam, or DeepSpeed's CPU Adam when the optimizer is offloaded (auto under offload)."""
     groups = param_groups(model, weight_decay)
-    if knobs.offload_optimizer:
+    kwargs = dict(lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=weight_decay)
+    if optimizer in ("adamw_8bit", "paged_adamw_8bit"):
+        import bitsandbytes as bnb
+
+        kind = bnb.optim.PagedAdamW8bit if optimizer == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+        return kind(groups, **kwargs)
+    if knobs.offload_optimizer and optimizer in ("auto", "deepspeed_cpu_adam"):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(groups, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=weight_decay,
-                                adamw_mode=True)
-    return torch.optim.AdamW(groups, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=weight_decay)
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    if optimizer == "deepspeed_fused_adam":
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(groups, adam_w_mode=True, **kwargs)
+    flavour = {"adamw_torch": {"foreach": True}, "adamw_torch_fused": {"fused": True}}.get(optimizer, {})
+    return torch.optim.AdamW(groups, **kwargs, **flavour)
 
 
 def build_scheduler(optimizer: Any, warmup_steps: int, max_steps: int) -> Any:

@@ -135,10 +135,12 @@ def verify(folder: Path) -> str | None:
 
 
 def save_checkpoint(accelerator: Any, output_dir: Path, step: int, trainer_state: dict[str, Any],
-                    keep: int, rank_files: dict[str, str] | None = None) -> Path:
+                    keep: int, rank_files: dict[str, str] | None = None, trained_only: bool = False) -> Path:
     """Save the full training state as `checkpoints/step_<step>`, atomically. All ranks call it; each writes
-    its own `rank_files` (name: text) into the folder. A write that fails (a full or read-only disk) removes
-    its partial folder and raises one line naming the newest complete checkpoint."""
+    its own `rank_files` (name: text) into the folder. `trained_only` (a LoRA run): the module states hold the
+    parameters that train and not the frozen base, which --init-from rebuilds (DeepSpeed's
+    exclude_frozen_parameters). A write that fails (a full or read-only disk) removes its partial folder and raises
+    one line naming the newest complete checkpoint."""
     root = Path(output_dir) / CHECKPOINTS
     name = checkpoint_name(step)
     tmp, final = root / f".tmp-{name}", root / name
@@ -149,7 +151,7 @@ def save_checkpoint(accelerator: Any, output_dir: Path, step: int, trainer_state
             for stale in root.glob(".tmp-*"):  # left by a crash; the run folder's lock allows one writer
                 shutil.rmtree(stale, ignore_errors=True)
         accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
+        accelerator.save_state(str(tmp), **({"exclude_frozen_parameters": True} if trained_only else {}))
         for file_name, text in (rank_files or {}).items():
             tmp.mkdir(parents=True, exist_ok=True)
             atomic_write_text(tmp / file_name, text)
@@ -338,10 +340,11 @@ def tensors_only() -> Iterator[None]:
 _FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # read by torch.load at each call
 
 
-def load_checkpoint(accelerator: Any, path: Path, trusted: bool = False) -> None:
+def load_checkpoint(accelerator: Any, path: Path, trusted: bool = False, trained_only: bool = False) -> None:
     """Restore model, optimizer, scheduler and RNG states, unpickling tensors only. A file that pickles
     anything else is refused before any is loaded. `trusted` (--trust-checkpoint): DeepSpeed's own loading,
-    the full unpickler."""
+    the full unpickler. `trained_only`: the checkpoint holds the trained parameters alone (a LoRA run): every one
+    of them must be in it (checked here; DeepSpeed loads it non-strict, the frozen base being absent)."""
     import pickle
 
     hint = "; if you wrote it yourself, --trust-checkpoint loads it with the full unpickler"
@@ -350,15 +353,38 @@ def load_checkpoint(accelerator: Any, path: Path, trusted: bool = False) -> None
         file, names = unsafe[0]
         raise AdaptiveError(f"checkpoint {path}: {file} pickles {', '.join(names[:3])}, which resume does not "
                             f"unpickle (a checkpoint holds tensors and DeepSpeed's training state only){hint}")
+    if trained_only:
+        missing = missing_trained_keys(accelerator, path)
+        if missing:
+            raise AdaptiveError(f"checkpoint {path} lacks {len(missing)} trained parameter(s) of this run, e.g. "
+                                f"{missing[0]}: it was written by another fine-tune (other LoRA targets or rank?)")
     try:
         with nullcontext() if trusted else tensors_only():
-            accelerator.load_state(str(path))
+            accelerator.load_state(str(path), **({"load_module_strict": False} if trained_only else {}))
     except pickle.UnpicklingError as err:
         raise AdaptiveError(f"checkpoint {path}: refused by the weights-only unpickler ("
                             f"{str(err).splitlines()[0][:200]}){hint}") from None
     except RuntimeError as err:  # e.g. shapes that differ: a checkpoint of another model
         raise AdaptiveError(f"checkpoint {path} does not load into this model: {str(err).splitlines()[0][:200]}") \
             from None
+
+
+def missing_trained_keys(accelerator: Any, path: Path) -> list[str]:
+    """The trained parameters of this run's model that the checkpoint's module states do not hold (ZeRO-0/1/2:
+    DeepSpeed's mp_rank_00_model_states.pt; a ZeRO-3 checkpoint keeps them in its partitioned optimizer states,
+    which DeepSpeed itself checks on load)."""
+    import torch
+
+    files = sorted(Path(path).glob("*/mp_rank_00_model_states.pt"))
+    if not files:
+        return []
+    with tensors_only():
+        module = torch.load(files[0], map_location="cpu", weights_only=True).get("module") or {}
+    if not module:  # ZeRO-3 writes an empty module dict
+        return []
+    model = accelerator.unwrap_model(accelerator._models[0])
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    return [name for name in trained if name not in module]
 
 
 # ---------------------------------------------------------------------------------------------

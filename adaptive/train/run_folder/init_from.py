@@ -72,12 +72,35 @@ def check_source(path: str | Path, arch: str) -> dict:
     return cfg
 
 
-def planned_model(init_from: str | None, preset: str, arch: str) -> str:
-    """What the planner sizes: the checkpoint's config.json (checked), else the preset."""
+def planned_model(init_from: str | None, preset: str, arch: str, finetune: str | None = None) -> str:
+    """What the planner sizes: the checkpoint's config.json (checked), else the preset. A fine-tune trains
+    transformers' own class of any family the planner knows (check_finetune_source), not ours."""
     if init_from is None:
         return preset
-    check_source(init_from, arch)
+    if finetune:
+        check_finetune_source(init_from)
+    else:
+        check_source(init_from, arch)
     return str(Path(init_from).expanduser())
+
+
+def check_finetune_source(path: str | Path) -> dict:
+    """config.json of a checkpoint folder a fine-tune can start from: any family of plan/architecture/families.py
+    (transformers' class trains it) or an adaptive export; AdaptiveError (one line) if not."""
+    from adaptive.plan.architecture.hf_config import SUPPORTED_TYPES, unknown_model_type
+
+    where, folder = _where(path), Path(path).expanduser()
+    if not folder.is_dir() or not (folder / "config.json").is_file():
+        raise AdaptiveError(f"{where} is not a folder with a config.json; give the checkpoint you downloaded")
+    try:
+        cfg = read_config_json(folder)
+    except AdaptiveError as err:
+        raise AdaptiveError(f"{where}: {err}") from None
+    if cfg.get("model_type") not in SUPPORTED_TYPES:
+        raise AdaptiveError(f"{where}: {unknown_model_type(cfg.get('model_type'))}")
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise AdaptiveError(f"{where} holds no weights: expected one of {', '.join(WEIGHT_FILES)}")
+    return cfg
 
 
 def tokenizer_folder(init_from: str | None) -> str | None:

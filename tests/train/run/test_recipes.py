@@ -17,7 +17,8 @@ from adaptive.recipe import Recipe, load_recipe
 from adaptive.plan import ARCHS
 from tests.train._launch import REPO, accelerate_launch, launch_env, records, tail
 
-RECIPES = sorted((REPO / "recipes").glob("*.py"))
+FINETUNE = REPO / "recipes" / "finetune.py"  # a checkpoint's fine-tune (tests/train/finetune)
+RECIPES = sorted(p for p in (REPO / "recipes").glob("*.py") if p != FINETUNE)
 PRESETS = ("debug", "debug_200m", "b1", "b7")
 
 ACCELERATE_CONFIG = """compute_environment: LOCAL_MACHINE
@@ -33,6 +34,13 @@ rdzv_backend: static
 same_network: true
 use_cpu: false
 """
+
+
+def test_the_finetune_recipe_declares_its_method_and_gives_its_command():
+    text = FINETUNE.read_text()
+    assert load_recipe(FINETUNE) == Recipe(finetune="lora")
+    assert "accelerate launch" in text.split('"""')[1]
+    assert len([line for line in text.split('"""')[2].splitlines() if line.strip()]) == 4
 
 
 def test_there_is_one_recipe_per_preset_and_arch_and_each_names_them():
