@@ -22,7 +22,6 @@ the per-block formulas here do not follow. `counts_ops` says which count a spec 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import lru_cache
 
 from adaptive.plan.architecture.families import family_of
@@ -34,62 +33,6 @@ from adaptive.plan.finetune.method import Finetune
 MIN_CAPACITY = 4  # DeepSpeed's and our MoE gate's default floor on expert capacity
 KERNELS = ("lean", "plain")  # lean: adaptive/models/lean.py's blocks; plain: transformers' Llama-style ops
 LOSS_CHUNK_ELEMENTS = 2**24  # logits per tile of the lean loss: 16M (fp32: 64 MiB), a tile fills a GPU
-
-
-@dataclass(frozen=True)
-class LossImpl:
-    """How a training stack turns the last hidden states into the loss, as memory sees it, in bytes per logit (a
-    token's logits are `vocab_size` of them)."""
-
-    saved: float  # kept from the end of the forward until the loss's backward has run
-    held: float  # held by the training loop through the whole backward (the logits the model returned)
-    working: float  # what the loss's backward adds, over one chunk of tokens at a time
-    chunks: int = 1  # the tokens are split into this many chunks along the sequence (1: all at once) ...
-    chunk_positions: int = 0  # ... or into chunks of this many positions of each sequence (0: by `chunks`)
-    source: str = ""
-
-    def chunk_tokens(self, seq_len: int, micro_batch: int) -> int:
-        if self.chunk_positions:
-            return min(seq_len, self.chunk_positions) * micro_batch
-        return math.ceil(seq_len / self.chunks) * micro_batch
-
-
-# A stack's loss (`loss` of TrainSetup / FitRequest; None: the one `kernels` implies, transformers' for "plain").
-# Only "plain" kernels take one: the lean blocks have their own tiled loss.
-LOSSES: dict[str, LossImpl] = {
-    "transformers": LossImpl(
-        saved=4, held=0, working=8,
-        source="transformers 5 ForCausalLMLoss (loss/loss_utils.py): logits.float(), then cross_entropy keeps the fp32 "
-               "log-softmax; its backward's fp32 logit gradient and 16-bit cast, measured (tests/fidelity)"),
-    "transformers_fp32_logits": LossImpl(
-        saved=4, held=4, working=8,
-        source="transformers before 4.45 (LlamaForCausalLM.forward: `logits = logits.float()`, returned in the "
-               "output): a loop that keeps the output through backward (fsdp_qlora's train.py: `output = model(...)`, "
-               "then `output.loss.backward()`) holds the fp32 logits too"),
-    "chunked": LossImpl(
-        saved=4, held=0, working=8, chunks=8,
-        source="torchtune CEWithChunkedOutputLoss (modules/loss/ce_chunked_output_loss.py), not compiled: the output "
-               "projection and the loss in 8 chunks over the sequence, each chunk upcast and its fp32 log-softmax "
-               "kept; the loop deletes the logits before backward, which then runs chunk by chunk"),
-    "chunked_compiled": LossImpl(
-        saved=2, held=0, working=2, chunks=8,
-        source="torchtune CEWithChunkedOutputLoss with compile_loss (training/_compile.py compiles "
-               "compute_cross_entropy): inductor's partition keeps each chunk's 16-bit logits (and two fp32 values "
-               "a token), and its backward writes the chunk's 16-bit logit gradient in one kernel; counted with "
-               "inductor on the CPU (tests/fidelity/test_compiled_loss.py)"),
-    "litgpt_chunked": LossImpl(
-        saved=2, held=2, working=4, chunk_positions=128,
-        source="lit-gpt bf16-true (finetune/lora.py: `logits = model(input_ids, lm_head_chunk_size=128)`, kept by the "
-               "loop through backward; utils.py chunked_cross_entropy: F.cross_entropy on each 16-bit chunk keeps "
-               "its 16-bit log-softmax); a chunk's backward: the 16-bit gradients of its log-softmax and logits"),
-}
-DEFAULT_LOSS = "transformers"
-
-
-def loss_impl(loss: str | None) -> LossImpl | None:
-    """The implementation a non-default `loss` names; None for the default (transformers' on plain kernels, whose
-    terms below are the measured ones, kept as they are)."""
-    return None if loss in (None, DEFAULT_LOSS) else LOSSES[loss]
 
 
 # Activation checkpointing (torchtitan's choices): "off"; "full" (every block keeps only its input);
@@ -188,23 +131,19 @@ def layer_bytes(s: ModelSpec, layer_type: str, seq_len: int, micro_batch: int, c
     return routing + moe_layer_bytes(s, selected, capacity_factor, kernels)
 
 
-def loss_saved_bytes_per_token(s: ModelSpec, kernels: str = "lean", loss: str | None = None) -> int:
+def loss_saved_bytes_per_token(s: ModelSpec, kernels: str = "lean") -> int:
     """What the loss keeps for backward per token: plain, the fp32 log-softmax (4V); lean, nothing
-    vocabulary-wide (its shifted targets are in `head_bytes`). Another `loss` (LOSSES): what it keeps and what the
-    loop holds."""
-    impl = loss_impl(loss)
-    if impl is not None:
-        return int((impl.saved + impl.held) * s.vocab_size)
+    vocabulary-wide (its shifted targets are in `head_bytes`)."""
     return 4 * s.vocab_size if kernels == "plain" else 0
 
 
 def head_bytes(s: ModelSpec, seq_len: int, micro_batch: int, kernels: str = "lean",
-               rope: bool = True, loss: str | None = None) -> int:
+               rope: bool = True) -> int:
     """Outside the layers: token ids (8), final RMSNorm (`norm_bytes`; lean: its output is the
     chunked loss's input), the loss (`loss_saved_bytes_per_token`) and targets (8); RoPE cos/sin once
     per position (4·head_dim, shared by all layers; recomputed with each layer under checkpointing)."""
     tokens = seq_len * micro_batch
-    per_token = norm_bytes(s.hidden_size, kernels) + loss_saved_bytes_per_token(s, kernels, loss) + 16
+    per_token = norm_bytes(s.hidden_size, kernels) + loss_saved_bytes_per_token(s, kernels) + 16
     return tokens * per_token + (4 * s.head_dim * seq_len if rope else 0)
 
 
@@ -251,7 +190,7 @@ def counts_ops(s: ModelSpec, kernels: str, finetune: Finetune | None) -> bool:
 
 @lru_cache(maxsize=4096)
 def flow_activation_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
-                          finetune: Finetune | None = None, attention: str = "sdpa", loss: str | None = None) -> int:
+                          finetune: Finetune | None = None, attention: str = "sdpa") -> int:
     """`activation_bytes` counted op by op (hf_blocks.py). A checkpointed layer keeps its input (2h a token; a
     fine-tune's checkpointing makes the embedding's output require grad, so every layer input does); the others
     keep their ops' tensors, given whether their input needs a gradient (a frozen embedding's output does not).
@@ -270,40 +209,39 @@ def flow_activation_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpoi
             total += tokens * per_token + fixed
             rope = rope or reads_rope
         grad = out_grad
-    per_token, per_sequence, fixed = head_flow(s, finetune, grad, loss)
+    per_token, per_sequence, fixed = head_flow(s, finetune, grad)
     rope_tables = 4 * s.head_dim * seq_len if rope else 0  # cos and sin, 16-bit, shared by the batch and the layers
     return int(total + tokens * per_token + micro_batch * per_sequence + fixed + rope_tables)
 
 
 @lru_cache(maxsize=4096)
 def activation_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
-                     capacity_factor: float = 1.0, kernels: str = "lean", finetune: Finetune | None = None,
-                     loss: str | None = None) -> int:
+                     capacity_factor: float = 1.0, kernels: str = "lean", finetune: Finetune | None = None) -> int:
     """Bytes autograd holds at the end of the forward pass (the loss's own included). `checkpointing`:
     False/True (off/full) or a policy ("off", "full", "every:N", "mlp"). `finetune`: None (pretraining) or a
     method; LoRA/QLoRA of transformers' classes is counted op by op (`flow_activation_bytes`), as are the families
     the formulas here do not cover; LoRA of our lean, MoE or MoD blocks is counted as full training (an upper
-    bound: frozen weights keep less). `loss`: a stack's loss (LOSSES; None: what `kernels` implies)."""
+    bound: frozen weights keep less)."""
     if counts_ops(s, kernels, finetune):
-        return flow_activation_bytes(s, seq_len, micro_batch, checkpointing, finetune, loss=loss)
+        return flow_activation_bytes(s, seq_len, micro_batch, checkpointing, finetune)
     tokens = seq_len * micro_batch
     kind, _ = _policy(checkpointing)
     if kind == "mlp":
         layers = sum(mlp_checkpointed_layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels)
                      for t in s.layer_types)
-        return int(layers + head_bytes(s, seq_len, micro_batch, kernels, loss=loss))
+        return int(layers + head_bytes(s, seq_len, micro_batch, kernels))
     if kind == "every":
         kept = checkpointed_layers(s, checkpointing)
         layers = sum(tokens * 2 * s.hidden_size if ckpt else
                      layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels)
                      for t, ckpt in zip(s.layer_types, kept))
-        return int(layers + head_bytes(s, seq_len, micro_batch, kernels, loss=loss))
+        return int(layers + head_bytes(s, seq_len, micro_batch, kernels))
     if kind == "full":
         # full checkpointing keeps each layer's input only; RoPE tables are recomputed with the layer
         layers = len(s.layer_types) * tokens * 2 * s.hidden_size
-        return int(layers + head_bytes(s, seq_len, micro_batch, kernels, rope=False, loss=loss))
+        return int(layers + head_bytes(s, seq_len, micro_batch, kernels, rope=False))
     layers = sum(layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels) for t in s.layer_types)
-    return int(layers + head_bytes(s, seq_len, micro_batch, kernels, loss=loss))
+    return int(layers + head_bytes(s, seq_len, micro_batch, kernels))
 
 
 def eager_extra_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
@@ -356,16 +294,6 @@ def loss_working_bytes(s: ModelSpec, tokens: int, kernels: str = "lean") -> int:
     return 8 * tile * v + 2 * tokens * h + 2 * v * h
 
 
-def loss_backward_bytes(s: ModelSpec, seq_len: int, micro_batch: int, impl: LossImpl, head_trains: bool) -> int:
-    """A non-default loss's backward working set on top of what is saved: its own bytes over one chunk of tokens
-    (`LossImpl.working`), the hidden states' 16-bit gradient the chunks fill (2h a token), and, where the head
-    trains, its weight's 16-bit gradient (2Vh), which the output projection's backward makes at the first chunk."""
-    v, h = s.vocab_size, s.hidden_size
-    tokens = seq_len * micro_batch
-    head = 2 * v * h if head_trains else 0
-    return int(impl.working * v * impl.chunk_tokens(seq_len, micro_batch) + 2 * h * tokens + head)
-
-
 def moe_backward_bytes(s: ModelSpec, tokens: int, capacity_factor: float, kernels: str = "lean") -> float:
     """Working set of one MoE layer's backward, fitted to measurements of random shapes: gradients of
     the gathered tokens (2.8h per token) and of the dispatched capacity slots (5.6h per slot). 16-bit lean
@@ -380,7 +308,7 @@ def moe_backward_bytes(s: ModelSpec, tokens: int, capacity_factor: float, kernel
 
 @lru_cache(maxsize=4096)
 def flow_backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
-                             finetune: Finetune | None = None, attention: str = "sdpa", loss: str | None = None) -> int:
+                             finetune: Finetune | None = None, attention: str = "sdpa") -> int:
     """`backward_peak_bytes` where `activation_bytes` counts op by op. The moments: the loss's backward (its fp32
     logit gradient and 16-bit cast, 8 bytes a logit, beside everything saved); the final norm's (the loss's and the
     head's own freed); then each layer from the top, the layers above freed, those below still saved, the layer's
@@ -393,26 +321,22 @@ def flow_backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, check
     adapted = finetune is not None and finetune.adapted
     h = s.hidden_size
     keys = seq_len if attention == "eager" else 0  # eager attention: the scores' bytes per token
-    saved = flow_activation_bytes(s, seq_len, micro_batch, checkpointing, finetune, attention, loss)
-    impl = loss_impl(loss)
-    peak = saved + (loss_working_bytes(s, tokens, "plain") if impl is None
-                    else loss_backward_bytes(s, seq_len, micro_batch, impl, not adapted))
+    saved = flow_activation_bytes(s, seq_len, micro_batch, checkpointing, finetune, attention)
+    peak = saved + loss_working_bytes(s, tokens, "plain")
     grads, grad = [], not adapted or kind != "off"  # which layer inputs need a gradient, as in the forward
     for t in s.layer_types:
         grads.append(grad)
         grad = layer_flow(s, t, finetune, grad, kind != "mlp", attention, keys, kind == "off")[2]
-    per_token, per_sequence, fixed = head_flow(s, finetune, grad, loss)
+    per_token, per_sequence, fixed = head_flow(s, finetune, grad)
     ids = 0 if adapted else 8  # the embedding's backward (a trained embedding) still needs the token ids
     # freed by the final norm's fp32 backward: the loss's own, and, trained, the head's input and the norm's copy
     # its weight's gradient read (16-bit cast; Gemma: the fp32 normalised x)
     trained = 0 if adapted else 2 * h + (4 if family_of(s).norm == "gemma" else 2) * h
-    per_logit = 4 * s.vocab_size if impl is None else impl.saved * s.vocab_size
-    loss_own = tokens * (per_logit + 8 + trained) + micro_batch * per_sequence
-    loop = 0 if impl is None else tokens * impl.held * s.vocab_size  # logits the loop holds until backward ends
+    loss = tokens * (4 * s.vocab_size + 8 + trained) + micro_batch * per_sequence
     rope = 4 * s.head_dim * seq_len if kind == "full" else 0  # held for the checkpointed layers, not saved by them
     if attention == "eager" and kind != "off":
         rope += 2 * micro_batch * seq_len * seq_len  # eager's 16-bit causal mask, held for the recompute too
-    peak = max(peak, saved + rope - loss_own + tokens * FINAL_NORM_BACKWARD * h)  # the final norm's backward
+    peak = max(peak, saved + rope - loss + tokens * FINAL_NORM_BACKWARD * h)  # the final norm's backward
     held = saved + rope - tokens * (per_token - ids) - micro_batch * per_sequence - fixed  # the layers' own
     kept = checkpointed_layers(s, checkpointing)
     for i in reversed(range(len(s.layer_types))):
@@ -425,15 +349,14 @@ def flow_backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, check
         # a checkpointed layer is recomputed without a cache, its input needing a gradient
         moments = layer_backward_moments(s, t, finetune, grads[i] or ckpt, kind == "off" and not ckpt, attention,
                                          keys)
-        peak = max(peak, below + loop + (tokens * 2 * h if ckpt else 0) + max(tokens * p + f for p, f in moments))
+        peak = max(peak, below + (tokens * 2 * h if ckpt else 0) + max(tokens * p + f for p, f in moments))
         held = below
     return int(peak)
 
 
 @lru_cache(maxsize=4096)
 def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
-                        capacity_factor: float = 1.0, kernels: str = "lean", finetune: Finetune | None = None,
-                        loss: str | None = None) -> int:
+                        capacity_factor: float = 1.0, kernels: str = "lean", finetune: Finetune | None = None) -> int:
     """Activation-side bytes at the peak of backward: saved tensors plus the working set.
 
     Measured (tests/fidelity): the loss's backward adds `loss_working_bytes` while the rest is still
@@ -443,18 +366,13 @@ def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpoint
     top of the kept layer inputs (dense: its saved bytes + 8h + 2.5f per token). Under "every:N" that
     recompute happens at the topmost checkpointed layer, with the layers above it already freed; under
     "mlp" each layer recomputes its MLP half (dense: its norm and SwiGLU bytes + 8h + 2.5f per token).
-    `finetune` as in `activation_bytes` (`flow_backward_peak_bytes` where that counts op by op). Another `loss`
-    (LOSSES): its own backward (`loss_backward_bytes`), and below it what the loop still holds and the hidden
-    states' gradient.
+    `finetune` as in `activation_bytes` (`flow_backward_peak_bytes` where that counts op by op).
     """
     if counts_ops(s, kernels, finetune):
-        return flow_backward_peak_bytes(s, seq_len, micro_batch, checkpointing, finetune, loss=loss)
+        return flow_backward_peak_bytes(s, seq_len, micro_batch, checkpointing, finetune)
     tokens = seq_len * micro_batch
-    saved = activation_bytes(s, seq_len, micro_batch, checkpointing, capacity_factor, kernels, loss=loss)
-    impl = loss_impl(loss)
-    adapted = finetune is not None and finetune.adapted
-    loss_peak = saved + (loss_working_bytes(s, tokens, kernels) if impl is None
-                         else loss_backward_bytes(s, seq_len, micro_batch, impl, not adapted))
+    saved = activation_bytes(s, seq_len, micro_batch, checkpointing, capacity_factor, kernels)
+    loss_peak = saved + loss_working_bytes(s, tokens, kernels)
     selected = micro_batch * mod_selected(s, seq_len)
 
     kind, _ = _policy(checkpointing)
@@ -474,8 +392,6 @@ def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpoint
 
     types = set(s.layer_types)
     left = tokens * (6.5 * s.vocab_size if kernels == "plain" else 2 * s.hidden_size)
-    if impl is not None:
-        left = tokens * (impl.held * s.vocab_size + 2 * s.hidden_size)
     if kind == "off":
         layer_peak = saved + left + max(working(t) for t in types)
         return int(max(loss_peak, layer_peak))
@@ -506,7 +422,5 @@ def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpoint
                 above += layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels)
         return int(max(loss_peak, peak))
     inputs = len(s.layer_types) * tokens * 2 * s.hidden_size + tokens * (norm_bytes(s.hidden_size, kernels) + 16)
-    if impl is not None:
-        inputs += tokens * impl.held * s.vocab_size  # logits the loop holds through backward
     recompute = max(layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels) + working(t) for t in types)
     return int(max(loss_peak, inputs + recompute))

@@ -352,13 +352,11 @@ def layer_backward_moments(spec: ModelSpec, layer_type: str, finetune: Finetune 
 
 
 @lru_cache(maxsize=256)
-def head_flow(spec: ModelSpec, finetune: Finetune | None, input_grad: bool,
-              loss: str | None = None) -> tuple[float, float, float]:
+def head_flow(spec: ModelSpec, finetune: Finetune | None, input_grad: bool) -> tuple[float, float, float]:
     """(bytes per token, per sequence, per step) outside the layers: the token ids (a trained embedding's
     backward), the final norm, the LM head's input (if it trains), Gemma 2's final tanh soft cap (its 16-bit
     output), the loss's fp32 log-softmax and targets; per sequence, the padded targets' extra row (transformers'
-    loss shifts by padding the labels); per step, a Gemma norm's fp32 (1 + w). Another `loss` (activations.LOSSES)
-    keeps its own bytes a logit, and what the loop holds, instead of the fp32 log-softmax."""
+    loss shifts by padding the labels); per step, a Gemma norm's fp32 (1 + w)."""
     roles = Roles(spec, finetune)
     flow = Flow(spec, roles)
     x = flow.norm(Tensor(2 * spec.hidden_size, input_grad), spec.hidden_size)
@@ -366,12 +364,7 @@ def head_flow(spec: ModelSpec, finetune: Finetune | None, input_grad: bool,
     if spec.final_logit_softcapping and logits.grad:
         flow.keep(Tensor(2 * spec.vocab_size, True))
     ids = 8 if roles.trains else 0
-    if loss is None or loss == "transformers":
-        return flow.bytes_per_token + ids + 4 * spec.vocab_size + 8, 8.0, flow.fixed
-    from adaptive.plan.estimate.activations import LOSSES  # activations.py imports this module
-
-    impl = LOSSES[loss]
-    return flow.bytes_per_token + ids + (impl.saved + impl.held) * spec.vocab_size + 8, 8.0, flow.fixed
+    return flow.bytes_per_token + ids + 4 * spec.vocab_size + 8, 8.0, flow.fixed
 
 
 __all__ = ["EXPERT_SITES", "FINAL_NORM_BACKWARD", "Flow", "LAST_NORM_BACKWARD", "MASK_BYTES", "NORM_BACKWARD", "Roles",
