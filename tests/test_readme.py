@@ -70,10 +70,12 @@ def split_comment(line: str) -> tuple[list[str], int]:
 
 
 def test_the_sample_outputs_are_what_the_commands_print():
-    """The first sample does not fit (exit 1, as README says under it); the budget's answer exits 0."""
+    """The first sample does not fit (exit 1, as README says under it); the budget's answer exits 0; the 4090's full
+    fine-tune does not fit (exit 1) and offers LoRA and QLoRA."""
     samples = SAMPLE_BLOCK.findall(readme_text())
-    assert [c.split()[1:3] for c, _ in samples] == [["fit", "--model"], ["fit", "--budget-usd"]]
-    for (command, shown), code in zip(samples, (1, 0)):
+    assert [c.split()[1:3] for c, _ in samples] == [["fit", "--model"], ["fit", "--budget-usd"], ["fit", "--model"]]
+    assert "--finetune full" in samples[2][0]
+    for (command, shown), code in zip(samples, (1, 0, 1)):
         done = subprocess.run([sys.executable, "-m", "cli", *shlex.split(command)[1:]], capture_output=True,
                               text=True, env=subprocess_env(), timeout=120, cwd=REPO_ROOT)
         assert done.returncode == code, done.stderr
@@ -89,6 +91,7 @@ def test_every_adaptive_command_in_the_readme_exits_as_documented(tmp_path, monk
         "fit", "compare", "models", "gpus", "launch", "export", "measure", "report"}
     monkeypatch.chdir(tmp_path)  # runs/, plans/ and the hostfile land here
     (tmp_path / "recipes").symlink_to(REPO_ROOT / "recipes")
+    (tmp_path / "examples").symlink_to(REPO_ROOT / "examples")  # config.json files of downloaded checkpoints
     (tmp_path / "hosts").write_text("node-a slots=8\nnode-b slots=8\n")
     for line in lines:
         args, exits = split_comment(line)
@@ -159,3 +162,29 @@ def test_readme_documents_every_option_of_launchs_own():
     assert {"--scheduler", "--submit", "--time", "--requeue"} <= options
     missing = {o for o in options if f"| `{o}" not in section and f", `{o}`" not in section}
     assert not missing, f"README's launch options table misses {sorted(missing)}"
+
+
+def finetune_table_rows() -> list[str]:
+    """README's table of what each fine-tuning method costs on one RTX 4090, planned again."""
+    from adaptive.plan import fit, make_request
+    from adaptive.plan.compare import why_not
+    from adaptive.plan.search.planner import describe
+
+    rows = []
+    for method in ("full", "lora", "qlora"):
+        p = fit(make_request(model=str(REPO_ROOT / "examples" / "llama-3.1-8b" / "config.json"), gpu="rtx4090",
+                             finetune=method), suggest=False)
+        kind, _ = why_not(p)
+        fits = "yes" if p.fits else {"host_ram": "no (host RAM)", "gpu_memory": "no"}.get(kind, "no")
+        plan = describe(p.shown).rsplit(", peak", 1)[0]
+        t = p.shown.throughput
+        rows.append(f"| {method} | {fits} | {p.shown.memory.peak_gpu_bytes / 2**30:.2f} GiB | {plan} | "
+                    f"{t.tokens_per_second:,.0f} | {p.hours:.1f} h | ${p.cost:,.2f} |")
+    return rows
+
+
+def test_the_finetune_cost_table_is_what_fit_plans():
+    section = readme_text().split("### Fine-tune a model you downloaded", 1)[1].split("\n### ", 1)[0]
+    table = [line for line in section.splitlines() if line.startswith("| full |") or line.startswith("| lora |")
+             or line.startswith("| qlora |")]
+    assert table == finetune_table_rows(), "README's fine-tune table is out of date: paste finetune_table_rows()"
