@@ -62,8 +62,12 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
                  pp_size: int | None = None, finetune: str | None = None, lora_rank: int | None = None,
                  lora_alpha: float | None = None, lora_targets: str | None = None, lora_dropout: float | None = None,
                  epochs: float | None = None, nvme_path: str | None = None,
-                 nvme_gbps: str | None = None) -> FitRequest:
-    """`kernels` None: "lean" for adaptive's models, "plain" for a config.json transformers' class trains."""
+                 nvme_gbps: str | None = None, framework: str = "deepspeed", precision: str = "mixed",
+                 loss: str | None = None, optimizer_in_backward: bool = False,
+                 activation_offload: bool = False) -> FitRequest:
+    """`kernels` None: "lean" for adaptive's models, "plain" for a config.json transformers' class trains.
+    `framework`, `precision`, `loss`, `optimizer_in_backward`, `activation_offload`: another stack's memory behaviour
+    (estimate/memory.py FRAMEWORKS and PRECISIONS, estimate/losses.py LOSSES); the defaults are adaptive's own."""
     require_positive("--host-mem", host_mem_gib)
     spec = resolve_model(model, arch, mod_capacity)
     method = resolve_finetune(finetune, lora_rank, lora_alpha, lora_targets, lora_dropout, epochs)
@@ -112,6 +116,8 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         loss_model=resolve_law(loss_law), unique_tokens=dataset_tokens, lr=lr,
         finetune=method, epochs=epochs, nvme=resolve_nvme(nvme_path, nvme_gbps),
         nvme_path=None if nvme_path is None else str(Path(nvme_path).expanduser()),
+        framework=framework, precision=precision, loss=loss, optimizer_in_backward=optimizer_in_backward,
+        activation_offload=activation_offload,
     )
     if run is None:
         return request

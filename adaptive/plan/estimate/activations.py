@@ -28,6 +28,7 @@ from adaptive.plan.architecture.families import family_of
 from adaptive.plan.architecture.presets import ModelSpec
 from adaptive.plan.estimate.hf_blocks import (FINAL_NORM_BACKWARD, head_flow, layer_backward_moments, layer_flow,
                                               transformers_class)
+from adaptive.plan.estimate.losses import LossImpl, loss_impl
 from adaptive.plan.finetune.method import Finetune
 
 MIN_CAPACITY = 4  # DeepSpeed's and our MoE gate's default floor on expert capacity
@@ -131,19 +132,23 @@ def layer_bytes(s: ModelSpec, layer_type: str, seq_len: int, micro_batch: int, c
     return routing + moe_layer_bytes(s, selected, capacity_factor, kernels)
 
 
-def loss_saved_bytes_per_token(s: ModelSpec, kernels: str = "lean") -> int:
+def loss_saved_bytes_per_token(s: ModelSpec, kernels: str = "lean", loss: str | None = None) -> int:
     """What the loss keeps for backward per token: plain, the fp32 log-softmax (4V); lean, nothing
-    vocabulary-wide (its shifted targets are in `head_bytes`)."""
+    vocabulary-wide (its shifted targets are in `head_bytes`). Another `loss` (LOSSES): what it keeps and what the
+    loop holds."""
+    impl = loss_impl(loss)
+    if impl is not None:
+        return int((impl.saved + impl.held) * s.vocab_size)
     return 4 * s.vocab_size if kernels == "plain" else 0
 
 
 def head_bytes(s: ModelSpec, seq_len: int, micro_batch: int, kernels: str = "lean",
-               rope: bool = True) -> int:
+               rope: bool = True, loss: str | None = None) -> int:
     """Outside the layers: token ids (8), final RMSNorm (`norm_bytes`; lean: its output is the
     chunked loss's input), the loss (`loss_saved_bytes_per_token`) and targets (8); RoPE cos/sin once
     per position (4·head_dim, shared by all layers; recomputed with each layer under checkpointing)."""
     tokens = seq_len * micro_batch
-    per_token = norm_bytes(s.hidden_size, kernels) + loss_saved_bytes_per_token(s, kernels) + 16
+    per_token = norm_bytes(s.hidden_size, kernels) + loss_saved_bytes_per_token(s, kernels, loss) + 16
     return tokens * per_token + (4 * s.head_dim * seq_len if rope else 0)
 
 
@@ -190,7 +195,7 @@ def counts_ops(s: ModelSpec, kernels: str, finetune: Finetune | None) -> bool:
 
 @lru_cache(maxsize=4096)
 def flow_activation_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
-                          finetune: Finetune | None = None, attention: str = "sdpa") -> int:
+                          finetune: Finetune | None = None, attention: str = "sdpa", loss: str | None = None) -> int:
     """`activation_bytes` counted op by op (hf_blocks.py). A checkpointed layer keeps its input (2h a token; a
     fine-tune's checkpointing makes the embedding's output require grad, so every layer input does); the others
     keep their ops' tensors, given whether their input needs a gradient (a frozen embedding's output does not).
@@ -209,39 +214,56 @@ def flow_activation_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpoi
             total += tokens * per_token + fixed
             rope = rope or reads_rope
         grad = out_grad
-    per_token, per_sequence, fixed = head_flow(s, finetune, grad)
+    per_token, per_sequence, fixed = head_flow(s, finetune, grad, loss)
     rope_tables = 4 * s.head_dim * seq_len if rope else 0  # cos and sin, 16-bit, shared by the batch and the layers
     return int(total + tokens * per_token + micro_batch * per_sequence + fixed + rope_tables)
 
 
 @lru_cache(maxsize=4096)
 def activation_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
-                     capacity_factor: float = 1.0, kernels: str = "lean", finetune: Finetune | None = None) -> int:
+                     capacity_factor: float = 1.0, kernels: str = "lean", finetune: Finetune | None = None,
+                     loss: str | None = None) -> int:
     """Bytes autograd holds at the end of the forward pass (the loss's own included). `checkpointing`:
     False/True (off/full) or a policy ("off", "full", "every:N", "mlp"). `finetune`: None (pretraining) or a
     method; LoRA/QLoRA of transformers' classes is counted op by op (`flow_activation_bytes`), as are the families
     the formulas here do not cover; LoRA of our lean, MoE or MoD blocks is counted as full training (an upper
-    bound: frozen weights keep less)."""
+    bound: frozen weights keep less). `loss`: a stack's loss (LOSSES; None: what `kernels` implies)."""
     if counts_ops(s, kernels, finetune):
-        return flow_activation_bytes(s, seq_len, micro_batch, checkpointing, finetune)
+        return flow_activation_bytes(s, seq_len, micro_batch, checkpointing, finetune, loss=loss)
     tokens = seq_len * micro_batch
     kind, _ = _policy(checkpointing)
     if kind == "mlp":
         layers = sum(mlp_checkpointed_layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels)
                      for t in s.layer_types)
-        return int(layers + head_bytes(s, seq_len, micro_batch, kernels))
+        return int(layers + head_bytes(s, seq_len, micro_batch, kernels, loss=loss))
     if kind == "every":
         kept = checkpointed_layers(s, checkpointing)
         layers = sum(tokens * 2 * s.hidden_size if ckpt else
                      layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels)
                      for t, ckpt in zip(s.layer_types, kept))
-        return int(layers + head_bytes(s, seq_len, micro_batch, kernels))
+        return int(layers + head_bytes(s, seq_len, micro_batch, kernels, loss=loss))
     if kind == "full":
         # full checkpointing keeps each layer's input only; RoPE tables are recomputed with the layer
         layers = len(s.layer_types) * tokens * 2 * s.hidden_size
-        return int(layers + head_bytes(s, seq_len, micro_batch, kernels, rope=False))
+        return int(layers + head_bytes(s, seq_len, micro_batch, kernels, rope=False, loss=loss))
     layers = sum(layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels) for t in s.layer_types)
-    return int(layers + head_bytes(s, seq_len, micro_batch, kernels))
+    return int(layers + head_bytes(s, seq_len, micro_batch, kernels, loss=loss))
+
+
+def head_saved_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str, kernels: str = "lean",
+                     finetune: Finetune | None = None, loss: str | None = None) -> int:
+    """The part of `activation_bytes` outside the decoder layers: the final norm, the output projection's and the
+    loss's (what activation offloading leaves on the GPU, estimate/memory.py)."""
+    if not counts_ops(s, kernels, finetune):
+        kind, _ = _policy(checkpointing)
+        return head_bytes(s, seq_len, micro_batch, kernels, rope=kind != "full", loss=loss)
+    kind, _ = _policy(checkpointing)
+    adapted = finetune is not None and finetune.adapted
+    grad = not adapted or kind != "off"
+    for layer_type in s.layer_types:  # does the last layer's output need a gradient (as flow_activation_bytes)
+        grad = layer_flow(s, layer_type, finetune, grad, kind != "mlp", "sdpa", 0, kind == "off")[2]
+    per_token, per_sequence, fixed = head_flow(s, finetune, grad, loss)
+    return int(seq_len * micro_batch * per_token + micro_batch * per_sequence + fixed)
 
 
 def eager_extra_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
@@ -294,6 +316,16 @@ def loss_working_bytes(s: ModelSpec, tokens: int, kernels: str = "lean") -> int:
     return 8 * tile * v + 2 * tokens * h + 2 * v * h
 
 
+def loss_backward_bytes(s: ModelSpec, seq_len: int, micro_batch: int, impl: LossImpl, head_trains: bool) -> int:
+    """A non-default loss's backward working set on top of what is saved: its own bytes over one chunk of tokens
+    (`LossImpl.working`), the hidden states' 16-bit gradient the chunks fill (2h a token), and, where the head
+    trains, its weight's 16-bit gradient (2Vh), which the output projection's backward makes at the first chunk."""
+    v, h = s.vocab_size, s.hidden_size
+    tokens = seq_len * micro_batch
+    head = 2 * v * h if head_trains else 0
+    return int(impl.working * v * impl.chunk_tokens(seq_len, micro_batch) + 2 * h * tokens + head)
+
+
 def moe_backward_bytes(s: ModelSpec, tokens: int, capacity_factor: float, kernels: str = "lean") -> float:
     """Working set of one MoE layer's backward, fitted to measurements of random shapes: gradients of
     the gathered tokens (2.8h per token) and of the dispatched capacity slots (5.6h per slot). 16-bit lean
@@ -308,7 +340,7 @@ def moe_backward_bytes(s: ModelSpec, tokens: int, capacity_factor: float, kernel
 
 @lru_cache(maxsize=4096)
 def flow_backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
-                             finetune: Finetune | None = None, attention: str = "sdpa") -> int:
+                             finetune: Finetune | None = None, attention: str = "sdpa", loss: str | None = None) -> int:
     """`backward_peak_bytes` where `activation_bytes` counts op by op. The moments: the loss's backward (its fp32
     logit gradient and 16-bit cast, 8 bytes a logit, beside everything saved); the final norm's (the loss's and the
     head's own freed); then each layer from the top, the layers above freed, those below still saved, the layer's
@@ -321,22 +353,26 @@ def flow_backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, check
     adapted = finetune is not None and finetune.adapted
     h = s.hidden_size
     keys = seq_len if attention == "eager" else 0  # eager attention: the scores' bytes per token
-    saved = flow_activation_bytes(s, seq_len, micro_batch, checkpointing, finetune, attention)
-    peak = saved + loss_working_bytes(s, tokens, "plain")
+    saved = flow_activation_bytes(s, seq_len, micro_batch, checkpointing, finetune, attention, loss)
+    impl = loss_impl(loss)
+    peak = saved + (loss_working_bytes(s, tokens, "plain") if impl is None
+                    else loss_backward_bytes(s, seq_len, micro_batch, impl, not adapted))
     grads, grad = [], not adapted or kind != "off"  # which layer inputs need a gradient, as in the forward
     for t in s.layer_types:
         grads.append(grad)
         grad = layer_flow(s, t, finetune, grad, kind != "mlp", attention, keys, kind == "off")[2]
-    per_token, per_sequence, fixed = head_flow(s, finetune, grad)
+    per_token, per_sequence, fixed = head_flow(s, finetune, grad, loss)
     ids = 0 if adapted else 8  # the embedding's backward (a trained embedding) still needs the token ids
     # freed by the final norm's fp32 backward: the loss's own, and, trained, the head's input and the norm's copy
     # its weight's gradient read (16-bit cast; Gemma: the fp32 normalised x)
     trained = 0 if adapted else 2 * h + (4 if family_of(s).norm == "gemma" else 2) * h
-    loss = tokens * (4 * s.vocab_size + 8 + trained) + micro_batch * per_sequence
+    per_logit = 4 * s.vocab_size if impl is None else impl.saved * s.vocab_size
+    loss_own = tokens * (per_logit + 8 + trained) + micro_batch * per_sequence
+    loop = 0 if impl is None else tokens * impl.held * s.vocab_size  # logits the loop holds until backward ends
     rope = 4 * s.head_dim * seq_len if kind == "full" else 0  # held for the checkpointed layers, not saved by them
     if attention == "eager" and kind != "off":
         rope += 2 * micro_batch * seq_len * seq_len  # eager's 16-bit causal mask, held for the recompute too
-    peak = max(peak, saved + rope - loss + tokens * FINAL_NORM_BACKWARD * h)  # the final norm's backward
+    peak = max(peak, saved + rope - loss_own + tokens * FINAL_NORM_BACKWARD * h)  # the final norm's backward
     held = saved + rope - tokens * (per_token - ids) - micro_batch * per_sequence - fixed  # the layers' own
     kept = checkpointed_layers(s, checkpointing)
     for i in reversed(range(len(s.layer_types))):
@@ -349,14 +385,15 @@ def flow_backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, check
         # a checkpointed layer is recomputed without a cache, its input needing a gradient
         moments = layer_backward_moments(s, t, finetune, grads[i] or ckpt, kind == "off" and not ckpt, attention,
                                          keys)
-        peak = max(peak, below + (tokens * 2 * h if ckpt else 0) + max(tokens * p + f for p, f in moments))
+        peak = max(peak, below + loop + (tokens * 2 * h if ckpt else 0) + max(tokens * p + f for p, f in moments))
         held = below
     return int(peak)
 
 
 @lru_cache(maxsize=4096)
 def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpointing: bool | str,
-                        capacity_factor: float = 1.0, kernels: str = "lean", finetune: Finetune | None = None) -> int:
+                        capacity_factor: float = 1.0, kernels: str = "lean", finetune: Finetune | None = None,
+                        loss: str | None = None) -> int:
     """Activation-side bytes at the peak of backward: saved tensors plus the working set.
 
     Measured (tests/fidelity): the loss's backward adds `loss_working_bytes` while the rest is still
@@ -366,13 +403,18 @@ def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpoint
     top of the kept layer inputs (dense: its saved bytes + 8h + 2.5f per token). Under "every:N" that
     recompute happens at the topmost checkpointed layer, with the layers above it already freed; under
     "mlp" each layer recomputes its MLP half (dense: its norm and SwiGLU bytes + 8h + 2.5f per token).
-    `finetune` as in `activation_bytes` (`flow_backward_peak_bytes` where that counts op by op).
+    `finetune` as in `activation_bytes` (`flow_backward_peak_bytes` where that counts op by op). Another `loss`
+    (LOSSES): its own backward (`loss_backward_bytes`), and below it what the loop still holds and the hidden
+    states' gradient.
     """
     if counts_ops(s, kernels, finetune):
-        return flow_backward_peak_bytes(s, seq_len, micro_batch, checkpointing, finetune)
+        return flow_backward_peak_bytes(s, seq_len, micro_batch, checkpointing, finetune, loss=loss)
     tokens = seq_len * micro_batch
-    saved = activation_bytes(s, seq_len, micro_batch, checkpointing, capacity_factor, kernels)
-    loss_peak = saved + loss_working_bytes(s, tokens, kernels)
+    saved = activation_bytes(s, seq_len, micro_batch, checkpointing, capacity_factor, kernels, loss=loss)
+    impl = loss_impl(loss)
+    adapted = finetune is not None and finetune.adapted
+    loss_peak = saved + (loss_working_bytes(s, tokens, kernels) if impl is None
+                         else loss_backward_bytes(s, seq_len, micro_batch, impl, not adapted))
     selected = micro_batch * mod_selected(s, seq_len)
 
     kind, _ = _policy(checkpointing)
@@ -392,6 +434,8 @@ def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpoint
 
     types = set(s.layer_types)
     left = tokens * (6.5 * s.vocab_size if kernels == "plain" else 2 * s.hidden_size)
+    if impl is not None:
+        left = tokens * (impl.held * s.vocab_size + 2 * s.hidden_size)
     if kind == "off":
         layer_peak = saved + left + max(working(t) for t in types)
         return int(max(loss_peak, layer_peak))
@@ -422,5 +466,7 @@ def backward_peak_bytes(s: ModelSpec, seq_len: int, micro_batch: int, checkpoint
                 above += layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels)
         return int(max(loss_peak, peak))
     inputs = len(s.layer_types) * tokens * 2 * s.hidden_size + tokens * (norm_bytes(s.hidden_size, kernels) + 16)
+    if impl is not None:
+        inputs += tokens * impl.held * s.vocab_size  # logits the loop holds through backward
     recompute = max(layer_bytes(s, t, seq_len, micro_batch, capacity_factor, kernels) + working(t) for t in types)
     return int(max(loss_peak, inputs + recompute))

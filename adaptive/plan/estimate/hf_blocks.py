@@ -31,6 +31,7 @@ from functools import lru_cache
 from adaptive.plan.architecture.blocks import block_type
 from adaptive.plan.architecture.families import HF_TYPES, family_of, resolve_targets
 from adaptive.plan.architecture.presets import ModelSpec
+from adaptive.plan.estimate.losses import LOSSES
 from adaptive.plan.finetune.method import Finetune
 
 # An RMSNorm's backward over h (measured on transformers' Llama and Gemma norms, CPU kernels): five fp32
@@ -77,6 +78,8 @@ class Roles:
         self.targets, self.expert_targets = (peft_targets(spec, finetune.lora_targets) if self.adapted
                                              else (frozenset(), frozenset()))
         self.trains = not self.adapted  # norms, embedding, head, routers and experts: trained unless adapted
+        # an old bitsandbytes' 4-bit matmul keeps its input (Finetune.nf4_keeps_input); the head stays 16-bit
+        self.nf4_keeps_input = finetune is not None and finetune.quantized and finetune.nf4_keeps_input
 
     def linear(self, name: str) -> str:
         """"train", "frozen" or "lora"."""
@@ -119,6 +122,8 @@ class Flow:
         if role == "train":
             self.keep(x)
             return Tensor(out_bytes, True)
+        if self.roles.nf4_keeps_input and x.grad and name != "lm_head":
+            self.keep(x)  # bitsandbytes < 0.43.2: the 4-bit base matmul keeps its input
         if role == "frozen":
             return Tensor(out_bytes, x.grad)
         src = x
@@ -352,11 +357,13 @@ def layer_backward_moments(spec: ModelSpec, layer_type: str, finetune: Finetune 
 
 
 @lru_cache(maxsize=256)
-def head_flow(spec: ModelSpec, finetune: Finetune | None, input_grad: bool) -> tuple[float, float, float]:
+def head_flow(spec: ModelSpec, finetune: Finetune | None, input_grad: bool,
+              loss: str | None = None) -> tuple[float, float, float]:
     """(bytes per token, per sequence, per step) outside the layers: the token ids (a trained embedding's
     backward), the final norm, the LM head's input (if it trains), Gemma 2's final tanh soft cap (its 16-bit
     output), the loss's fp32 log-softmax and targets; per sequence, the padded targets' extra row (transformers'
-    loss shifts by padding the labels); per step, a Gemma norm's fp32 (1 + w)."""
+    loss shifts by padding the labels); per step, a Gemma norm's fp32 (1 + w). Another `loss` (activations.LOSSES)
+    keeps its own bytes a logit, and what the loop holds, instead of the fp32 log-softmax."""
     roles = Roles(spec, finetune)
     flow = Flow(spec, roles)
     x = flow.norm(Tensor(2 * spec.hidden_size, input_grad), spec.hidden_size)
@@ -364,7 +371,10 @@ def head_flow(spec: ModelSpec, finetune: Finetune | None, input_grad: bool) -> t
     if spec.final_logit_softcapping and logits.grad:
         flow.keep(Tensor(2 * spec.vocab_size, True))
     ids = 8 if roles.trains else 0
-    return flow.bytes_per_token + ids + 4 * spec.vocab_size + 8, 8.0, flow.fixed
+    if loss is None or loss == "transformers":
+        return flow.bytes_per_token + ids + 4 * spec.vocab_size + 8, 8.0, flow.fixed
+    impl = LOSSES[loss]
+    return flow.bytes_per_token + ids + (impl.saved + impl.held) * spec.vocab_size + 8, 8.0, flow.fixed
 
 
 __all__ = ["EXPERT_SITES", "FINAL_NORM_BACKWARD", "Flow", "LAST_NORM_BACKWARD", "MASK_BYTES", "NORM_BACKWARD", "Roles",

@@ -9,6 +9,12 @@ optimizer states, partitioned as DeepSpeed partitions what requires a gradient (
 build their groups from `requires_grad` parameters); what is frozen is only held, 16-bit or NF4, and only ZeRO-3
 partitions it (it partitions every parameter). Pretraining and full fine-tuning train everything: the same
 arithmetic with nothing frozen.
+
+The stack a run trains on is five knobs of TrainSetup, each set where a published stack differs from DeepSpeed with
+transformers' classes (docs/BENCHMARKS.md, "Fine-tunes against published runs"); at their defaults they change
+nothing: `framework` (FRAMEWORKS: who partitions the states, `zero_stage` says how far), `precision` (PRECISIONS: fp32
+master weights and moments, or everything in 16 bits), `loss` (activations.LOSSES), `optimizer_in_backward` and
+`activation_offload`.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from adaptive.plan.estimate.activations import (
     eager_backward_extra_bytes,
     eager_extra_bytes,
     head_bytes,
+    head_saved_bytes,
     loss_saved_bytes_per_token,
     loss_working_bytes,
 )
@@ -33,7 +40,8 @@ from adaptive.plan.estimate.attention import eager_extra_saved_bytes, eager_reco
 from adaptive.plan.estimate.pipeline import in_flight
 from adaptive.plan.estimate.pipeline import partition as partition_stages
 from adaptive.plan.estimate.nvme import DEFAULT_DRIVE, NvmeDrive, NvmeEstimate, NvmeSetup, estimate_nvme, zero_tensors
-from adaptive.plan.estimate.optimizers import MASTER_BYTES, is_paged, state_bytes_per_param, step_transient_bytes
+from adaptive.plan.estimate.optimizers import (MASTER_BYTES, TRANSIENT_COPIES, is_paged, state_bytes_per_param,
+                                               step_transient_bytes)
 from adaptive.plan.estimate.parallel import tp_activation_factor, tp_sharded_params
 from adaptive.plan.architecture.params import ParamCounts, count_params
 from adaptive.plan.architecture.presets import ModelSpec
@@ -58,6 +66,32 @@ STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
 
 # CPU-side buffer factor DeepSpeed's estimators apply to host memory.
 HOST_BUFFER_FACTOR = 1.5
+
+# Who holds and partitions the training states. `zero_stage` is how far they are partitioned in every framework:
+# 0 none, 1 optimizer states, 2 + gradients, 3 + parameters.
+FRAMEWORKS: dict[str, str] = {
+    "deepspeed": "DeepSpeed's ZeRO engine (what adaptive runs): its buckets, fp32 gradient partitions and flatten "
+                 "copies (runtime/zero/stage_1_and_2.py, stage3.py), modules' parameters gathered one at a time",
+    "torch": "PyTorch without DeepSpeed, on one GPU or under DistributedDataParallel (zero_stage 0): gradients in "
+             "each parameter's .grad, freed by zero_grad(set_to_none=True); DDP copies every gradient into its "
+             "buckets (torch/nn/parallel/distributed.py, gradient_as_bucket_view=False by default)",
+    "fsdp": "PyTorch FSDP, FSDP1's FullyShardedDataParallel or FSDP2's fully_shard (zero_stage 3 = FULL_SHARD, "
+            "2 = SHARD_GRAD_OP, 0 = NO_SHARD), a unit per decoder layer: a unit is unsharded whole, the one running "
+            "and the one prefetched, its gradient unsharded for its reduce-scatter; the root unit (embedding, final "
+            "norm, head) is not resharded after forward (FSDP1 _runtime_utils.py _post_forward_reshard, FSDP2 "
+            "_fsdp_state.py _lazy_init: not for the root), so it stays whole until the backward ends",
+    "fsdp_sharded_root": "FSDP as above with the embedding and the output in units of their own (torchtune's "
+                         "custom_sharded_layers: ['tok_embeddings', 'output']), resharded after forward like the "
+                         "layers: the root keeps only the final norm",
+}
+# What a parameter that trains costs beside its 16-bit weight.
+PRECISIONS: dict[str, str] = {
+    "mixed": "16-bit weights and gradients with an fp32 master copy and fp32 optimizer moments (DeepSpeed's bf16 "
+             "and fp16 optimizers)",
+    "pure": "everything in 16 bits, nothing in fp32: the model cast to bf16 and a torch optimizer over it, whose "
+            "moments take the parameter's dtype (torch/optim/adamw.py _init_group: torch.zeros_like(p)); "
+            "torchtune's `dtype: bf16`, lit-gpt's `--precision bf16-true`, fsdp_qlora's `--precision bf16`",
+}
 
 
 @record
@@ -101,6 +135,17 @@ class TrainSetup:
     finetune: Finetune | None = None  # None: pretraining; lora/qlora train adapters on a frozen base (roles.py)
     offload_device: str = "cpu"  # where offloaded states go: "cpu", or "nvme" (ZeRO-Infinity, ZeRO-3 only)
     nvme: NvmeDrive | None = None  # the drive, for offload_device "nvme" (nvme.py)
+    # The training stack (module docstring); the defaults are adaptive's own and change nothing.
+    framework: str = "deepspeed"  # FRAMEWORKS
+    precision: str = "mixed"  # PRECISIONS
+    loss: str | None = None  # activations.LOSSES: the loss's implementation (None: what `kernels` runs)
+    # torchtune's optimizer_in_bwd (training/_memory.py register_optim_in_bwd_hooks): each parameter is stepped in
+    # its post-accumulate-grad hook and its gradient freed there, so no full set of gradients ever exists
+    optimizer_in_backward: bool = False
+    # torchtune's enable_activation_offloading (training/_activation_offloading.py OffloadActivations): the layers'
+    # saved tensors go to host memory in the forward and come back one layer at a time in the backward; the output
+    # projection's and the loss's stay (NoOpManager around the output)
+    activation_offload: bool = False
 
     @property
     def checkpointing(self) -> str:
@@ -207,7 +252,9 @@ def frozen_bytes_per_gpu(setup: TrainSetup, roles: ParamRoles) -> int:
         return roles.frozen_bytes
     world = setup.world_size
     sixteen = 0 if setup.offload_params else 2 * roles.frozen_16bit / world
-    return int(sixteen + roles.nf4_packed_bytes / world + roles.nf4_state_bytes)
+    # FSDP's CPU offload moves every parameter, the NF4 codes stored as 16-bit values too; DeepSpeed's keeps them
+    packed = 0 if setup.offload_params and setup.framework != "deepspeed" else roles.nf4_packed_bytes / world
+    return int(sixteen + packed + roles.nf4_state_bytes)
 
 
 def model_state_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> dict[str, int]:
@@ -226,18 +273,24 @@ def model_state_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> d
     stage = setup.zero_stage
     live = 0.0
     paged = is_paged(setup.optimizer)
-    per_param = MASTER_BYTES + (0 if paged else state_bytes_per_param(setup.optimizer))
+    pure = setup.precision == "pure"  # no master copy, 16-bit gradients only, moments in the weights' dtype
+    states = state_bytes_per_param(setup.optimizer, setup.precision)
+    per_param = (0 if pure else MASTER_BYTES) + (0 if paged else states)
     updated = local if stage == 0 else partition
-    paged_states = state_bytes_per_param(setup.optimizer) * updated if paged else 0.0
+    paged_states = states * updated if paged else 0.0
     if stage == 0:
-        params, grads, optim = 2 * local, 6 * local, per_param * local
+        params, grads, optim = 2 * local, (2 if pure else 6) * local, per_param * local
     elif stage in (1, 2):
-        params, grads, optim = 2 * local, 6 * partition, per_param * partition
+        params, grads, optim = 2 * local, (2 if pure else 6) * partition, per_param * partition
     elif stage == 3:
-        params, grads, optim = 2 * partition, 4 * partition, per_param * partition
-        live = 4 * c.largest_layer / setup.tp_size  # AutoTP shards the largest module too
+        params, grads, optim = 2 * partition, (2 if pure else 4) * partition, per_param * partition
+        live = (4 * c.largest_layer / setup.tp_size if setup.framework == "deepspeed"  # AutoTP shards it too
+                else fsdp_gathered_bytes(setup, c))
     else:
         raise ValueError(f"zero_stage must be 0-3, got {stage}")
+    if setup.optimizer_in_backward:
+        # stepped in backward, parameter by parameter: only one gradient exists at a time (`_assemble`)
+        grads = 0.0
     if setup.offload_optimizer:
         # grads stream to the CPU in buckets; fp32 master, moments and grads live in host RAM (or on NVMe)
         grads, optim, paged_states = 0.0, 0.0, 0.0
@@ -248,11 +301,42 @@ def model_state_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> d
     secondary = 2 * local / setup.zero_hpz if stage == 3 and setup.zero_hpz > 1 and not setup.offload_params else 0.0
     out = {"params": int(params), "grads": int(grads), "optimizer": int(optim),
            "zero3_live_params": int(live), "hpz_secondary_params": int(secondary)}
+    if setup.framework == "fsdp" and stage == 3:
+        out["fsdp_root_params"] = fsdp_root_bytes(setup, c)
     if not trains_everything(setup.finetune):
         out["frozen_params"] = frozen_bytes_per_gpu(setup, param_roles(setup.spec, setup.finetune))
     if paged:
         out["paged_optimizer_states"] = int(paged_states)
     return out
+
+
+def unit_bytes(setup: TrainSetup, params: int, quantized_weights: int = 0) -> float:
+    """An FSDP unit's parameters unsharded: 16-bit, or NF4 codes (stored as 16-bit values for FSDP, fsdp_qlora's and
+    PEFT's quant_storage) for its quantized weights, with their quantization state."""
+    if not quantized_weights:
+        return 2.0 * params
+    return 2.0 * (params - quantized_weights) + quantized_weights / 2 + quantized_weights / 64
+
+
+def fsdp_gathered_bytes(setup: TrainSetup, counts: ParamCounts) -> int:
+    """FSDP's unsharded parameters beside the shards (FRAMEWORKS): two units whole, the one running and the one
+    prefetched (FSDP1's limit_all_gathers allows two in flight; FSDP2 prefetches one), each the largest unit: a
+    decoder layer, and under fsdp_sharded_root also the embedding and the output, units of their own. Each is a
+    full-size buffer the all-gather fills, beside the shard the GPU keeps."""
+    roles = param_roles(setup.spec, setup.finetune)
+    layers = setup.spec.num_hidden_layers
+    layer = max(counts.per_layer) if counts.per_layer else 0
+    largest = unit_bytes(setup, layer, roles.frozen_4bit // layers if roles.frozen_4bit else 0)
+    if setup.framework == "fsdp_sharded_root":
+        largest = max(largest, 2.0 * setup.spec.vocab_size * setup.spec.hidden_size)
+    return int(2 * largest) if setup.world_size > 1 else 0
+
+
+def fsdp_root_bytes(setup: TrainSetup, counts: ParamCounts) -> int:
+    """FSDP1's root unit (embedding, untied head, final norm) kept whole, beside its shard, from the forward through
+    the backward."""
+    root = counts.embedding + setup.spec.hidden_size
+    return int(2 * root) if setup.world_size > 1 else 0
 
 
 def host_bytes_per_node(setup: TrainSetup, counts: ParamCounts | None = None) -> int:
@@ -265,7 +349,9 @@ def host_bytes_per_node(setup: TrainSetup, counts: ParamCounts | None = None) ->
         return nvme_estimate(setup).host_bytes_per_node
     c = trained_counts(setup, counts or count_params(setup.spec))
     p = c.total
-    state = MASTER_BYTES + state_bytes_per_param(setup.optimizer) + 4  # master, moments, fp32 gradient
+    pure = setup.precision == "pure"
+    # master, moments, fp32 gradient (pure: the moments and the 16-bit gradient)
+    state = (0 if pure else MASTER_BYTES) + state_bytes_per_param(setup.optimizer, setup.precision) + (2 if pure else 4)
     if setup.zero_stage == 3:
         held = state * p + (2 * (p + param_roles(setup.spec, setup.finetune).frozen_16bit) if setup.offload_params
                             else 0)
@@ -313,6 +399,8 @@ def comm_buffer_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> i
     gives (DeepSpeed's `torch.empty(reduce_bucket_size)`)."""
     c = trained_counts(setup, counts or count_params(setup.spec))
     b = setup.bytes_per_param
+    if setup.framework != "deepspeed":
+        return torch_buffer_bytes(setup, c)
     reduce_elems = setup.reduce_bucket_elements or reduce_bucket_elements(c)
     if setup.zero_stage in (1, 2):
         # an all-gather bucket for the updated params when there is more than one GPU, plus the
@@ -326,14 +414,33 @@ def comm_buffer_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> i
     return 0
 
 
+def torch_buffer_bytes(setup: TrainSetup, trained: ParamCounts) -> int:
+    """PyTorch's own gradient buffers (FRAMEWORKS): DDP's buckets, a 16-bit copy of every trained parameter's
+    gradient, allocated when DDP wraps the model; FSDP's unsharded gradient of the unit whose backward runs (its
+    trained parameters), in backward only. `trained`: the trained parameters' counts."""
+    if setup.world_size == 1:
+        return 0
+    b = setup.bytes_per_param
+    if setup.framework == "torch":
+        return int(b * trained.total)
+    if setup.zero_stage == 0:  # NO_SHARD: gradients all-reduced in place
+        return 0
+    layers = setup.spec.num_hidden_layers
+    return int(b * trained.total / layers)
+
+
 def reduce_bucket_bytes(setup: TrainSetup, counts: ParamCounts | None = None) -> int:
     """ZeRO-1/2's gradient reduce buckets. DeepSpeed allocates the whole configured bucket (16-bit) at
     the first gradient of a backward pass, twice with overlap_comm (double-buffered), and frees them
     when the backward's reduction ends (stage_1_and_2.py: `setup_buckets`, `_release_ipg_buffers`):
     so they coexist with the activations but not with the optimizer step. Measured with real engines:
     tests/plan/estimate/test_memory_measured_deepspeed.py, and for a user's 5e8 vs 2e8 buckets
-    tests/plan/estimate/test_memory_measured_deepspeed_inputs.py."""
-    if setup.zero_stage not in (1, 2):
+    tests/plan/estimate/test_memory_measured_deepspeed_inputs.py. FSDP: its unit's unsharded gradient
+    (`torch_buffer_bytes`), also in backward only."""
+    if setup.framework in ("fsdp", "fsdp_sharded_root"):
+        c = trained_counts(setup, counts or count_params(setup.spec))
+        return torch_buffer_bytes(setup, c)
+    if setup.framework != "deepspeed" or setup.zero_stage not in (1, 2):
         return 0
     c = trained_counts(setup, counts or count_params(setup.spec))
     elements = setup.reduce_bucket_elements or reduce_bucket_elements(c)
@@ -357,14 +464,23 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
         saved = setup.calibration.activation_bytes(tokens, ckpt)
         backward_peak = setup.calibration.backward_bytes(tokens, ckpt)
     else:
+        stack_loss = {} if setup.loss is None else {"loss": setup.loss}
         saved = activation_bytes(setup.spec, local_seq, setup.micro_batch_size, policy, setup.capacity_factor,
-                                 setup.kernels, setup.finetune)
+                                 setup.kernels, setup.finetune, **stack_loss)
         backward_peak = backward_peak_bytes(setup.spec, local_seq, setup.micro_batch_size, policy,
-                                            setup.capacity_factor, setup.kernels, setup.finetune)
+                                            setup.capacity_factor, setup.kernels, setup.finetune, **stack_loss)
+    if setup.activation_offload:
+        # the layers' saved tensors wait in host memory; one layer's at a time is back on the GPU (the one whose
+        # backward runs, or, at the loss's backward, the top one prefetched); the head's and the loss's stay
+        head = min(saved, head_saved_bytes(setup.spec, local_seq, setup.micro_batch_size, policy, setup.kernels,
+                                           setup.finetune, setup.loss))
+        layers = saved - head
+        offloaded = int(layers - layers / setup.spec.num_hidden_layers)
+        saved, backward_peak = saved - offloaded, backward_peak - offloaded
     if tp > 1:
         # AutoTP: the layers' activations inside the sharded matmuls split tp ways (parallel.py); the
         # column-parallel lm_head gathers its output, so the loss keeps whole-vocabulary logits
-        loss_part = min(saved, tokens * loss_saved_bytes_per_token(setup.spec, setup.kernels))
+        loss_part = min(saved, tokens * loss_saved_bytes_per_token(setup.spec, setup.kernels, setup.loss))
         layers = saved - loss_part
         extra = backward_peak - saved
         saved = int(layers * tp_activation_factor(tp)) + loss_part
@@ -390,7 +506,7 @@ def estimate_memory(setup: TrainSetup) -> MemoryEstimate:
         return _assemble(setup, counts, saved, backward_peak, scores_saved, scores_recompute, True)
     # a stage holds its blocks' share of a micro-batch's activations for each micro-batch in flight; the head's
     # (final norm, head input, the loss's own) only on the last stage, which has one in flight
-    head = min(saved, head_bytes(setup.spec, local_seq, setup.micro_batch_size, setup.kernels))
+    head = min(saved, head_bytes(setup.spec, local_seq, setup.micro_batch_size, setup.kernels, loss=setup.loss))
     layers, extra = saved - head, backward_peak - saved
     worst = None
     for stage in partition_stages(setup.spec, setup.pp_size):
@@ -412,7 +528,8 @@ def _assemble(setup: TrainSetup, counts: ParamCounts, saved: int, backward_peak:
     local, partition = _sizes(setup, trained_counts(setup, counts))
     parts = model_state_bytes(setup, counts)
     offload = setup.offload_optimizer
-    parts["zero3_grad_partition"] = int(2 * partition) if setup.zero_stage == 3 and not offload else 0
+    ds = setup.framework == "deepspeed"  # DeepSpeed's own buffers and copies (FRAMEWORKS)
+    parts["zero3_grad_partition"] = int(2 * partition) if ds and setup.zero_stage == 3 and not offload else 0
     local_seq = setup.seq_len // setup.sp_size
     tokens = local_seq * setup.micro_batch_size
 
@@ -422,7 +539,7 @@ def _assemble(setup: TrainSetup, counts: ParamCounts, saved: int, backward_peak:
         parts["activations"] = saved
     elif setup.kernels == "plain":
         # the loss keeps its fp32 log-softmax for backward; its backward working set is in the transient
-        loss = min(saved, tokens * loss_saved_bytes_per_token(setup.spec, "plain"))
+        loss = min(saved, tokens * loss_saved_bytes_per_token(setup.spec, "plain", setup.loss))
         parts["activations"] = saved - loss
     else:
         # the chunked loss keeps nothing vocabulary-wide: its part is its backward working set (a tile of
@@ -438,8 +555,17 @@ def _assemble(setup: TrainSetup, counts: ParamCounts, saved: int, backward_peak:
         parts["dequantized_weight"] = dequantized_bytes(roles.largest_4bit_linear, setup.bytes_per_param)
     # the optimizer's own temporaries during its step (foreach AdamW: an fp32 copy of what it updates)
     updated = local if setup.zero_stage == 0 else partition
-    parts["optimizer_transient"] = step_transient_bytes(setup.optimizer, updated, offload)
-    if setup.fp16 and setup.zero_stage == 0:
+    parts["optimizer_transient"] = step_transient_bytes(setup.optimizer, updated, offload, setup.precision,
+                                                        setup.bytes_per_param)
+    if setup.optimizer_in_backward:
+        # each parameter steps as its gradient is made, then frees it: the largest one's gradient and its step's
+        # temporaries are what backward adds (an adapter's are negligible)
+        one = counts.largest_layer if trains_everything(setup.finetune) else 0
+        one = one / setup.world_size if setup.zero_stage == 3 else one
+        element = setup.bytes_per_param if setup.precision == "pure" else 4
+        parts["optimizer_transient"] = int(setup.bytes_per_param * one
+                                           + TRANSIENT_COPIES[setup.optimizer] * element * one)
+    if ds and setup.fp16 and setup.zero_stage == 0:
         # DeepSpeed's FP16_Optimizer.step (runtime/fp16/fused_optimizer.py) builds the flat fp32 gradient as
         # _flatten_dense_tensors([p.grad.to(fp32) ...]): per-parameter fp32 copies (4 bytes/param) alive
         # beside the flat result while it concatenates. Read from DeepSpeed 0.19.8's code, not measured:
@@ -448,7 +574,7 @@ def _assemble(setup: TrainSetup, counts: ParamCounts, saved: int, backward_peak:
 
     # Which gradient bytes persist: ZeRO-1/2 keep a 16-bit partition buffer between steps and build
     # the fp32 copy only for the step; ZeRO-0 frees its 16-bit grads after each step.
-    grads_persistent = 2 * partition if setup.zero_stage in (1, 2) and not offload else 0
+    grads_persistent = 2 * partition if ds and setup.zero_stage in (1, 2) and not offload else 0
     # ZeRO-0 and ZeRO-1 reduce gradients only at the accumulation boundary (DeepSpeed's stage_1_and_2:
     # `partition_gradients or is_gradient_accumulation_boundary()`; plain DDP alike), so between
     # boundaries every local parameter's 16-bit gradient stays on the GPU, offload or not, and from the
@@ -465,10 +591,15 @@ def _assemble(setup: TrainSetup, counts: ParamCounts, saved: int, backward_peak:
                   + parts.get("frozen_params", 0))
     backward = (parts["activations"] + parts["attention_scores"] + parts["logits_and_loss"]
                 + parts["backward_transient"] + parts["zero3_live_params"] + held + buckets_backward
-                + parts.get("dequantized_weight", 0))
-    if setup.zero_stage == 0 and not offload and not held:
+                + parts.get("dequantized_weight", 0) + parts.get("fsdp_root_params", 0))
+    if setup.optimizer_in_backward:
+        backward += parts["optimizer_transient"]
+    if ds and setup.zero_stage == 0 and not offload and not held:
         # ZeRO-0 builds the 16-bit gradients during backward; they are complete when it ends
         backward = max(backward, parts["params"])
+    elif not ds and not offload and not held and not setup.optimizer_in_backward:
+        # PyTorch builds each gradient in its .grad (FSDP: its shard) during backward; all exist when it ends
+        backward = max(backward, parts["grads"])
     # The optimizer step, measured on DeepSpeed 0.19.8 engines (bf16, CPU; tests/plan/
     # test_memory_measured_deepspeed*.py): beyond the fp32 gradients, ZeRO-1/2 flatten the averaged 16-bit
     # gradient partition (that partition copy plus the flat copy: 2 x 2 bytes per partition param) before
@@ -477,16 +608,18 @@ def _assemble(setup: TrainSetup, counts: ParamCounts, saved: int, backward_peak:
     # nothing: foreach AdamW adds its 4 bytes net under ZeRO-0, 2 under ZeRO-3, none under ZeRO-1/2.
     flatten = 0
     step_extra = parts["optimizer_transient"]
-    if setup.zero_stage in (1, 2) and not offload:
+    if ds and setup.zero_stage in (1, 2) and not offload:
         flatten = int(2 * setup.bytes_per_param * partition)
         step_extra = max(flatten, step_extra)
         # the averaged partition copy exists at the end of backward, beside the reduce buckets (and any
         # gradients held for accumulation), once the activations are freed
         backward = max(backward, buckets_backward + held + int(setup.bytes_per_param * partition))
-    elif setup.zero_stage == 3 and not offload:
+    elif ds and setup.zero_stage == 3 and not offload:
         step_extra = max(0, step_extra - int(2 * partition))
     parts["step_flatten"] = flatten
     step = parts["grads"] - grads_persistent + step_extra
+    if setup.optimizer_in_backward:
+        step = 0  # no step after backward: it ran inside it
     allocated = persistent + max(backward, step)
     parts["fragmentation"] = int(math.ceil(FRAGMENTATION * allocated))
     parts["cuda_context"] = CUDA_CONTEXT_BYTES

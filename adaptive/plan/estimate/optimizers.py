@@ -74,9 +74,13 @@ def check_optimizer(name: str) -> str:
     raise AdaptiveError(f"unknown --optimizer {name!r}{hint} (choose from {', '.join(OPTIMIZERS)})")
 
 
-def state_bytes_per_param(optimizer: str) -> float:
-    """Optimizer states per trained parameter beyond the fp32 master copy: Adam's two fp32 moments, or 8-bit ones."""
-    return EIGHT_BIT_STATE_BYTES if optimizer in EIGHT_BIT else ADAM_STATE_BYTES
+def state_bytes_per_param(optimizer: str, precision: str = "mixed", param_bytes: int = 2) -> float:
+    """Optimizer states per trained parameter beyond the fp32 master copy: Adam's two fp32 moments, or 8-bit ones.
+    Under "pure" precision (memory.PRECISIONS) torch's Adam keeps its moments in the parameter's dtype
+    (torch/optim/adamw.py: torch.zeros_like(p)); bitsandbytes' 8-bit states are 8-bit codes whatever it updates."""
+    if optimizer in EIGHT_BIT:
+        return EIGHT_BIT_STATE_BYTES
+    return 2 * param_bytes if precision == "pure" else ADAM_STATE_BYTES
 
 
 def is_paged(optimizer: str) -> bool:
@@ -84,15 +88,18 @@ def is_paged(optimizer: str) -> bool:
     return optimizer == "paged_adamw_8bit"
 
 
-def step_transient_bytes(optimizer: str, updated_params_on_gpu: float, offload_optimizer: bool) -> int:
+def step_transient_bytes(optimizer: str, updated_params_on_gpu: float, offload_optimizer: bool,
+                         precision: str = "mixed", param_bytes: int = 2) -> int:
     """GPU bytes the optimizer allocates during its step beyond states and gradients.
 
     `updated_params_on_gpu`: parameters this GPU's optimizer updates (its ZeRO partition, or all local
-    parameters under ZeRO-0). Under optimizer offload the step runs on the host: nothing on the GPU.
+    parameters under ZeRO-0). Under optimizer offload the step runs on the host: nothing on the GPU. Under "pure"
+    precision the temporaries take the moments' dtype, the parameters'.
     """
     if offload_optimizer:
         return 0
-    return int(TRANSIENT_COPIES[optimizer] * FP32_BYTES * updated_params_on_gpu)
+    element = param_bytes if precision == "pure" else FP32_BYTES
+    return int(TRANSIENT_COPIES[optimizer] * element * updated_params_on_gpu)
 
 
 __all__ = ["ADAM_STATE_BYTES", "DESCRIPTIONS", "EIGHT_BIT", "MASTER_BYTES", "OPTIMIZERS", "check_optimizer",

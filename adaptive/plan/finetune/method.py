@@ -26,6 +26,10 @@ class Finetune:
     lora_alpha: float | None = None  # None: 2 x rank
     lora_targets: str = DEFAULT_LORA_TARGETS
     lora_dropout: float = DEFAULT_LORA_DROPOUT
+    # bitsandbytes before 0.43.2 (autograd/_functions.py MatMul4Bit.forward: `ctx.tensors = (A, B)`, dropped by #1270,
+    # 2024-07-16): each 4-bit matmul keeps its input for backward when the input needs a gradient; since then it keeps
+    # only the packed weight (False, what adaptive installs). Published QLoRA runs of early 2024 and before ran the old one
+    nf4_keeps_input: bool = False
 
     @property
     def adapted(self) -> bool:

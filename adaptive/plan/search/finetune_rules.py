@@ -48,7 +48,7 @@ def finetune_error(req: FitRequest) -> str | None:
         if pins:
             return (f"{pins[0]} does not apply to --finetune {ft.method}: LoRA and QLoRA are planned with ZeRO data "
                     "parallelism only (tensor, sequence and pipeline parallelism of PEFT's layers are untested here)")
-        if ft.quantized and offload != "none":
+        if ft.quantized and offload != "none" and req.framework == "deepspeed":  # FSDP's CPU offload moves them
             return f"--finetune qlora cannot take --offload {offload}: {QLORA_OFFLOAD}; use --offload none"
         if ft.lora_dropout and any(m.role == "experts" for m in resolve_targets(spec, ft.lora_targets)):
             return (f"--lora-dropout {ft.lora_dropout:g} with LoRA on {spec.model_type}'s experts: PEFT's adapter on "
@@ -90,7 +90,7 @@ def offloads_for(req: FitRequest, zero: int, offloads: tuple[str, ...]) -> list[
     of offloading, NVMe is tried under ZeRO-3 where the user named a drive."""
     if req.offload:
         return [req.offload]
-    if req.finetune is not None and req.finetune.quantized or is_paged(req.optimizer):
+    if req.finetune is not None and req.finetune.quantized and req.framework == "deepspeed" or is_paged(req.optimizer):
         return ["none"]
     nvme = (["nvme-optimizer", "nvme"] if req.nvme_path is not None and zero == 3 and req.optimizer not in EIGHT_BIT
             and not req.spec.is_moe else [])

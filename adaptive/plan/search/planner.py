@@ -16,6 +16,7 @@ from adaptive.plan.search.advice import OrchestratorAdvice, orchestrator_advice
 from adaptive.plan.search.finetune_rules import (finetune_error, finetune_rungs, offloads_for, stages_for,
                                                  transformers_moe)
 from adaptive.plan.search.request import DeepSpeedBuckets, FitRequest
+from adaptive.plan.search.stack_rules import stack_error, stages_and_offloads
 from adaptive.plan.hardware.gpus import CATALOG, GPU
 from adaptive.plan.estimate.memory import MemoryEstimate, TrainSetup, corrected, estimate_memory
 from adaptive.plan.estimate.parallel import Layout, divisors_up_to, layout_error
@@ -197,6 +198,8 @@ def validate(req: FitRequest) -> None:
     s = req.spec
     if err := finetune_error(req):
         raise AdaptiveError(err)
+    if err := stack_error(req):
+        raise AdaptiveError(err)
     if s.is_moe and not transformers_moe(req):
         if req.zero_stage == 3:
             raise AdaptiveError("--zero 3 is impossible for MoE: DeepSpeed's native MoE refuses ZeRO stage 3; use --zero 2")
@@ -336,7 +339,7 @@ def zero_offload_candidates(req: FitRequest) -> list[tuple[int, str]]:
             if off == "none" and req.optimizer == "deepspeed_cpu_adam":
                 continue  # DeepSpeedCPUAdam runs only on offloaded states
             out.append((z, off))
-    return out
+    return stages_and_offloads(req, out)
 
 
 def grad_accum_for(req: FitRequest, global_tokens: int, seq: int, micro: int, replicas: int | None = None) -> int:
@@ -370,7 +373,8 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
     setup, memory = _setup_and_memory(spec, seq, micro, zero, offload, policy, ep, accum, layout, req.gpus_per_node,
                                       req.num_nodes, req.capacity_factor, req.calibration, req.optimizer,
                                       req.attention, not req.gpu.bf16, req.kernels, req.ds_config, req.stack, req.elementwise,
-                                      req.finetune, req.nvme if offload in NVME_OFFLOADS else None)
+                                      req.finetune, req.nvme if offload in NVME_OFFLOADS else None,
+                                      req.memory_knobs)
     mem = corrected(memory, req.peak_correction)
     return Candidate(setup=setup, memory=mem, fits_gpu=mem.peak_gpu_bytes <= req.gpu.memory_bytes,
                      fits_host=mem.host_bytes_per_node <= host_mem, gpu=req.gpu, mfu=req.mfu,
@@ -383,7 +387,8 @@ def _setup_and_memory(spec: ModelSpec, seq: int, micro: int, zero: int, offload:
                       calibration: Calibration | None, optimizer: str, attention: str, fp16: bool, kernels: str,
                       ds: DeepSpeedBuckets | None, stack: str = "eager",
                       elementwise: str | None = None, finetune: Finetune | None = None,
-                      nvme: NvmeDrive | None = None) -> tuple[TrainSetup, MemoryEstimate]:
+                      nvme: NvmeDrive | None = None,
+                      memory_knobs: tuple[tuple[str, object], ...] = ()) -> tuple[TrainSetup, MemoryEstimate]:
     """A candidate's setup and its memory, which does not depend on the GPU it is planned for (its precision is
     in the setup): "what would fit" searches GPU after GPU over the same setups, so each is built and estimated
     once (both are pure functions of these arguments)."""
@@ -400,7 +405,7 @@ def _setup_and_memory(spec: ModelSpec, seq: int, micro: int, zero: int, offload:
                        attention=attention, fp16=fp16, kernels=kernels, stack=stack, elementwise=elementwise,
                        checkpoint_policy=None if policy in ("off", "full") else policy, tp_size=layout.tp,
                        sp_size=layout.sp, pp_size=layout.pp, zero_hpz=layout.hpz, zero_quantized_weights=layout.qwz,
-                       zero_quantized_gradients=layout.qgz, **buckets)
+                       zero_quantized_gradients=layout.qgz, **buckets, **dict(memory_knobs))
     return setup, estimate_memory(setup)
 
 

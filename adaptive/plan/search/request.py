@@ -79,10 +79,25 @@ class FitRequest:
     epochs: float | None = None
     nvme: NvmeDrive | None = None  # --nvme-gbps: ZeRO-Infinity's drive (with --nvme-path, which enables NVMe offload)
     nvme_path: str | None = None  # --nvme-path: the folder DeepSpeed swaps to
+    # the training stack, where it is not adaptive's own (estimate/memory.py FRAMEWORKS and PRECISIONS,
+    # estimate/activations.py LOSSES; the evidence corpus's fine-tunes set them): at their defaults they change nothing
+    framework: str = "deepspeed"  # who holds and partitions the states: deepspeed | torch | fsdp | fsdp_sharded_root
+    precision: str = "mixed"  # mixed: fp32 master weights and moments; pure: everything in 16 bits
+    loss: str | None = None  # the loss's implementation (None: transformers' on plain kernels, the lean tiles on lean)
+    optimizer_in_backward: bool = False  # torchtune's optimizer_in_bwd: each parameter stepped as its gradient is made
+    activation_offload: bool = False  # torchtune's activation offloading: the layers' saved tensors in host memory
 
     @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.num_nodes
+
+    @property
+    def memory_knobs(self) -> tuple[tuple[str, object], ...]:
+        """The stack knobs that differ from adaptive's own, as TrainSetup takes them (hashable)."""
+        given = (("framework", self.framework, "deepspeed"), ("precision", self.precision, "mixed"),
+                 ("loss", self.loss, None), ("optimizer_in_backward", self.optimizer_in_backward, False),
+                 ("activation_offload", self.activation_offload, False))
+        return tuple((name, value) for name, value, default in given if value != default)
 
     @property
     def adapted(self) -> bool:
