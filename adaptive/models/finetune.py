@@ -54,7 +54,9 @@ def load_pretrained(path: str | Path, finetune: Finetune, precision: str, zero_s
         # the modules left in 16 bits (embeddings, norms, the head) in the compute dtype, or in the storage dtype
         # under ZeRO-3, as PEFT's DeepSpeed guide loads them
         kwargs["dtype"] = compute_dtype(precision)
-        kwargs["device_map"] = {"": device.index if device.type == "cuda" and device.index is not None else str(device)}
+        if zero_stage != 3:  # ZeRO-3 places and partitions the model itself; transformers refuses a device_map there
+            kwargs["device_map"] = {"": device.index if device.type == "cuda" and device.index is not None
+                                    else str(device)}
     try:
         model = AutoModelForCausalLM.from_pretrained(str(Path(path).expanduser()), **kwargs)
     except (OSError, ValueError) as err:
@@ -63,7 +65,22 @@ def load_pretrained(path: str | Path, finetune: Finetune, precision: str, zero_s
     # no KV cache while training: it is memory the plan does not count, and with one transformers reads packed
     # examples' position_ids as one sequence (masking_utils only finds packed sequences without a cache)
     model.config.use_cache = False
+    if finetune.quantized and device.type == "cpu":
+        keep_training_kernel(model)
     return model
+
+
+def keep_training_kernel(model: Any) -> None:
+    """Keep bitsandbytes' 4-bit linears on the kernel they train with when evaluating on a CPU. On a CPU with
+    AVX512-BF16, bitsandbytes 0.50 repacks a Linear4bit's weight for its inference kernel the first time it runs in
+    eval mode without grad (nn/modules.py Linear4bit.forward): that fails for an in_features not a multiple of the
+    block size ("shape '[64, 2]' is invalid for input of size 160"), rounds the scales to bf16 (eval would compute
+    with another base than training) and leaves the weight repacked for the steps after the eval."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 def enable_checkpointing(model: Any, policy: str) -> None:
@@ -113,5 +130,5 @@ def merged_model(base_path: str | Path, adapter_path: str | Path, dtype: torch.d
     return PeftModel.from_pretrained(base, str(adapter_path)).merge_and_unload()
 
 
-__all__ = ["DTYPES", "apply_method", "compute_dtype", "enable_checkpointing", "is_peft", "load_pretrained",
-           "merged_model", "quantization_config"]
+__all__ = ["DTYPES", "apply_method", "compute_dtype", "enable_checkpointing", "is_peft", "keep_training_kernel",
+           "load_pretrained", "merged_model", "quantization_config"]

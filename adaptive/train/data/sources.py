@@ -159,16 +159,23 @@ def source_format(cfg: DataConfig, source: DataSource | None = None) -> str:
     return data_format(_columns(_load_saved(source, streaming=False)), cfg.text_field)
 
 
-def check_local_rows(dataset: str | None, text_field: str = "text") -> None:
+def check_local_rows(dataset: str | None, text_field: str = "text") -> str:
     """Check a local dataset's rows now, before a run starts anything: JSON rows (one line naming file:line),
-    and every instruction row of parquet files or a saved dataset (naming its row)."""
-    if dataset:
-        cfg = DataConfig(dataset=dataset, seq_len=2, text_field=text_field)  # seq_len: unused here
-        source = resolve_source(cfg)
-        if source.is_local and source.builder == "json":
-            _check_json(list(source.data_files), text_field)
-        elif source.is_local and (fmt := source_format(cfg, source)) != TEXT:
-            check_rows(_instruction_rows(source, fmt), fmt)
+    and every instruction row of parquet files or a saved dataset (naming its row). Returns what the rows are
+    (`instructions.data_format`; TEXT for the hub and the shipped corpus)."""
+    if not dataset:
+        return TEXT
+    cfg = DataConfig(dataset=dataset, seq_len=2, text_field=text_field)  # seq_len: unused here
+    source = resolve_source(cfg)
+    if not source.is_local:
+        return TEXT
+    if source.builder == "json":
+        _check_json(list(source.data_files), text_field)
+        return _json_format(list(source.data_files), text_field)
+    fmt = source_format(cfg, source)
+    if fmt != TEXT:
+        check_rows(_instruction_rows(source, fmt), fmt)
+    return fmt
 
 
 def _json_format(files: list[str], text_field: str) -> str:

@@ -30,6 +30,7 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
     """Train. `callbacks` always run, first; `plugins()` (the orchestrator) when the run has it on. The run
     folder is checked, locked, and (with --overwrite) cleared before anything else is written."""
     from adaptive.train.run import setup
+    from adaptive.train.data.instructions import CHAT, require_chat_template
     from adaptive.train.data.sources import check_local_rows
     from adaptive.train.reporting.display import configure_logging
     from adaptive.train.run.restart import start_mode
@@ -43,7 +44,12 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
     mode = start_mode(out.resume, out.overwrite, output_dir)
     if mode.check_fresh:
         check_fresh_start(output_dir, mode.resume, mode.overwrite)  # every rank, before anything is written
-    check_local_rows(config.data.dataset, config.data.text_field)  # a bad row: one line before anything starts
+    # a bad row, or chats the tokenizer cannot render: one line before anything starts
+    if check_local_rows(config.data.dataset, config.data.text_field) == CHAT:
+        from adaptive.train.data.tokenizer import load_tokenizer
+
+        require_chat_template(load_tokenizer(setup.tokenizer_source(config.data, config.model.init_from)),
+                              config.data.dataset)
     trackers = resolve_trackers(out.report_to)  # an uninstalled tracker: one line, too
     partial = setup.init_distributed(config.faults.collective_timeout)
     configure_logging(partial.is_main_process)
@@ -161,9 +167,9 @@ def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] 
         if opt.lr is not None:
             set_peak_lr(state, loop, opt.lr)
         logger.info("resumed from %s at step %d", resume_from, state.step)
-        if config.model.init_from:
+        if config.model.init_from and not (plan.finetune is not None and plan.finetune.adapted):
             logger.warning("--init-from %s ignored: the checkpoint resumed holds the trained weights",
-                           config.model.init_from)
+                           config.model.init_from)  # a LoRA checkpoint holds the adapters: its base is --init-from's
     metrics.truncate_after(state.step if state.resumed_from else None)
     write_run_files(state, loop)
     counts = {"params_total": plan.plan.counts.total, "params_active": plan.plan.counts.active}

@@ -69,9 +69,10 @@ def init_distributed(collective_timeout: float | None = None) -> Any:
 
     ensure_process_group_env()
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    # DeepSpeed's ZeRO gathers (deepspeed/comm/torch.py) call it, deprecated in torch 2.13: not the user's to fix
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
-                            category=FutureWarning)
+    # DeepSpeed's ZeRO gathers and ZeRO-3's gradient reduce-scatter (deepspeed/comm/torch.py) call them, deprecated
+    # in torch 2.13: not the user's to fix
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                            "is deprecated", category=FutureWarning)
     timeout = {} if collective_timeout is None else {"timeout": timedelta(seconds=collective_timeout)}
     restart_scoped_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout.get("timeout"))
     if torch.cuda.is_available():
@@ -160,7 +161,6 @@ def load_data(options: DataOptions, seed: int, run: RunPlan, accelerator: Any, m
     """Tokenizer and this rank's train/eval data (rank 0 fills the caches first)."""
     from adaptive.train.data.packing import StreamingPackedDataset, build_datasets
     from adaptive.train.data.sources import DataConfig
-    from adaptive.train.run_folder.init_from import tokenizer_folder
     from adaptive.train.data.tokenizer import load_tokenizer, require_fits_vocab
 
     dataset = resolve_dataset(options.dataset, run.device.kind)
@@ -169,7 +169,7 @@ def load_data(options: DataOptions, seed: int, run: RunPlan, accelerator: Any, m
     cfg = DataConfig(dataset=dataset, seq_len=run.knobs.seq_len, seed=seed, dataset_config=options.dataset_config,
                      text_field=options.text_field, workers=workers, pin_memory=cuda)
     with accelerator.main_process_first():
-        tokenizer = load_tokenizer(options.tokenizer or tokenizer_folder(run.init_from))  # the checkpoint's own
+        tokenizer = load_tokenizer(tokenizer_source(options, run.init_from))
         require_fits_vocab(tokenizer, model_vocab_size)
         # a TP group (consecutive ranks, DeepSpeed's TP mesh) trains on one copy of the data; so do a pipeline's
         # stages and their TP ranks (ranks (stage x replicas + replica) x tp + tp rank, DeepSpeed's
@@ -182,6 +182,13 @@ def load_data(options: DataOptions, seed: int, run: RunPlan, accelerator: Any, m
         logger.warning("--data-workers %d ignored: %s is tokenized once up front (map-style), not streamed",
                        options.data_workers, dataset or "the shipped corpus")
     return Data(tokenizer, train, evaluation)
+
+
+def tokenizer_source(options: DataOptions, init_from: str | None) -> str | None:
+    """--tokenizer, else the --init-from checkpoint's own (when its folder has one), else None: the built-in one."""
+    from adaptive.train.run_folder.init_from import tokenizer_folder
+
+    return options.tokenizer or tokenizer_folder(init_from)
 
 
 def resolve_dataset(flag: str | None, device_kind: str) -> str | None:
@@ -320,4 +327,4 @@ def peak_lr(lr: float | None, preset: str) -> float:
 __all__ = ["ADAM_BETAS", "ADAM_EPS", "DEFAULT_LR", "Data", "build_model", "build_optimizer", "build_scheduler",
            "default_warmup", "ensure_process_group_env", "init_distributed", "load_data", "make_accelerator",
            "restart_scoped_process_group",
-           "param_groups", "peak_lr", "quiet_libraries", "reinit_local_experts", "resolve_dataset"]
+           "param_groups", "peak_lr", "quiet_libraries", "reinit_local_experts", "resolve_dataset", "tokenizer_source"]

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +43,33 @@ def export_finetune(accelerator: Any, engine: Any, tokenizer: Any, target: Path,
     if is_peft(model):
         adapter = adapter_target(target)
         _write(adapter, main, lambda tmp: _save_adapter(model, tmp, zero3), accelerator)
-        _write(target, main, lambda tmp: _save_merged(init_from, adapter, tokenizer, tmp, metadata), accelerator)
+        with _zero3_init_hidden(accelerator, zero3):
+            _write(target, main, lambda tmp: _save_merged(init_from, adapter, tokenizer, tmp, metadata), accelerator)
         logger.info("adapter exported to %s, merged model to %s", adapter, target)
         return target
     state_dict = accelerator.get_state_dict(engine) if zero3 else None  # gathers the partitions (a collective)
     _write(target, main, lambda tmp: _save_full(model, state_dict, tokenizer, tmp, metadata), accelerator)
     logger.info("HF model exported to %s", target)
     return target
+
+
+@contextmanager
+def _zero3_init_hidden(accelerator: Any, zero3: bool) -> Iterator[None]:
+    """While the run's ZeRO-3 config is registered with transformers (accelerate's DeepSpeed plugin registers it),
+    from_pretrained builds every model under deepspeed.zero.Init, whose partitioning is a collective: rank 0 alone
+    rebuilding the base for the merge then waits for ranks that wait at the export's barrier (a hang until the
+    collective timeout). Unregister it meanwhile; the merge is a plain CPU model."""
+    registered = getattr(accelerator.state.deepspeed_plugin, "dschf", None)  # the plugin's HfDeepSpeedConfig
+    if not zero3 or registered is None:
+        yield
+        return
+    from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(registered)
 
 
 def _write(target: Path, main: bool, save: Any, accelerator: Any) -> None:
