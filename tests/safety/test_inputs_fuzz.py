@@ -343,6 +343,7 @@ GOOD_ROW = json.dumps({"text": "the cynic wit folly virtue " * 20})
     ('{"text": ["a"]}', ':4: \'text\' must be a string of text, got array ["a"]'),
     ('{"text": "a"', ":4 is not JSON"),
     ('{"body": "a"}', ":4 has no 'text' field (fields: body); pass --text-field NAME"),
+    ('{"conversations": [{"from": "human", "value": "a"}]}', ":4 has 'conversations' (ShareGPT's from/value turns)"),
     ("[1, 2]", ":4 is a JSON array, not an object"),
     ("42", ":4 is a JSON number, not an object"),
 ])

@@ -80,6 +80,9 @@ def check_json_rows(files: list[str], field: str) -> None:
                                     f'{{"{field}": "..."}}')
             if field not in record:
                 fields = ", ".join(list(record)[:8]) or "none"
+                if "conversations" in record:  # ShareGPT's layout: a chat, in fields no chat template reads
+                    raise AdaptiveError(f"{where} has 'conversations' (ShareGPT's from/value turns): chats are read "
+                                        'from "messages": [{"role": ..., "content": ...}]; rename them')
                 raise AdaptiveError(f"{where} has no {field!r} field (fields: {fields}); pass --text-field NAME")
             value = record[field]
             if not isinstance(value, str):
