@@ -143,6 +143,10 @@ def quiet_libraries(is_main: bool) -> None:
 
     ds_logger.setLevel(logging.WARNING)
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its save/load chatter; ours says it once
+    # bitsandbytes' CPU path tries a hub kernel first and falls back to its own: offline, a warning per run
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # PEFT 0.21 (peft_model.py) calls transformers' deprecated `is_gradient_checkpointing`: not the user's to fix
+    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     transformers.logging.set_verbosity_warning()
     if not is_main or not interactive():
         transformers.utils.logging.disable_progress_bar()
