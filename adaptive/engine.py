@@ -18,6 +18,8 @@ What the rest of the code asks of an engine:
 - Ulysses sequence parallelism: the SP group DeepSpeed built, and its data adapter that shards a batch.
 - AutoTP with DeepSpeed MoE: the (data, tensor) mesh before the expert groups, the TP size the MoE layer sees,
   a gloo-safe token gather, and AutoTP's shards gathered on every rank.
+- ZeRO-Infinity: whether DeepSpeed's async_io op (NVMe swapping) is compiled here or can be (`nvme_refusal`,
+  checked before a run claims its folder), and when its first build is still to come.
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "self._global_grad_norm"),
     ("deepspeed.runtime.utils", "clip_grad_norm_", "mpu"),
     ("deepspeed.runtime.pipe.topology", "PipelineParallelGrid", "__init__(topology)"),
+    ("deepspeed.ops.op_builder.cpu.async_io", "AsyncIOBuilder", "is_compatible(verbose)"),
+    ("deepspeed.ops.op_builder.cpu.async_io", "AsyncIOBuilder", "NAME"),
+    ("deepspeed.ops.op_builder.async_io", "AsyncIOBuilder", "is_compatible(verbose)"),
 )
 
 # The classes, besides tensors and plain containers, that a DeepSpeed + accelerate checkpoint pickles
@@ -161,6 +166,88 @@ def expert_group_line(line: str) -> bool:
     return line.startswith("No existing process group found, creating a new group named: ep_size_")
 
 
+# --- ZeRO-Infinity's async I/O op -------------------------------------------------------------------
+
+
+def nvme_offload(cfg: dict[str, Any]) -> list[str]:
+    """The sections of a DeepSpeed config that swap to NVMe (`offload_optimizer`, `offload_param` with device nvme)."""
+    zero = cfg.get("zero_optimization") or {}
+    return [key for key in ("offload_optimizer", "offload_param") if (zero.get(key) or {}).get("device") == "nvme"]
+
+
+def async_io_built() -> bool:
+    """DeepSpeed's async_io op is compiled for this DeepSpeed in torch's extension folder (TORCH_EXTENSIONS_DIR, by
+    default ~/.cache/torch_extensions/py<ver>_<cpu|cuXY>/async_io). The folder is one per Python and CUDA, not per
+    environment: its build.ninja names the DeepSpeed sources it was built from, and ninja rebuilds the op when another
+    environment's DeepSpeed loads it. So it counts as built only for the DeepSpeed whose path build.ninja names."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    if builder is None:
+        return False
+    folder = _get_build_directory(builder.NAME, verbose=False)
+    ninja = os.path.join(folder, "build.ninja")
+    if not any(n.startswith(builder.NAME) and n.endswith(".so") for n in os.listdir(folder)) or not os.path.exists(ninja):
+        return False
+    with open(ninja, encoding="utf-8", errors="replace") as f:
+        return os.path.dirname(deepspeed.__file__) in f.read()
+
+
+def async_io_unavailable() -> str | None:
+    """Why DeepSpeed's async_io op (what ZeRO-Infinity reads and writes its NVMe swap files with) cannot run on this
+    machine, in a few words; None when it can: compiled already for this DeepSpeed, or buildable. DeepSpeed builds
+    it the first time a run swaps to NVMe, which needs libaio's headers and library (its own check,
+    `AsyncIOBuilder.is_compatible`, compiles and links a program calling io_submit against -laio: the system
+    package libaio-dev, libaio-devel on RPM systems), a C++ compiler and ninja. A missing libaio otherwise fails
+    in deepspeed.initialize, after the model is built and the run folder written."""
+    import shutil
+
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import is_ninja_available
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    if builder is None:
+        return f"DeepSpeed's {get_accelerator().device_name()} accelerator has no async_io op"
+    if async_io_built():
+        return None
+    if not builder.is_compatible(verbose=False):
+        return ("libaio's headers and library were not found (DeepSpeed links a test program with -laio): install "
+                "the system package libaio-dev (apt-get install libaio-dev; libaio-devel on RPM systems), or set "
+                "CFLAGS and LDFLAGS to where libaio is")
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) to build DeepSpeed's async_io op with"
+    if not is_ninja_available():
+        return "no ninja to build DeepSpeed's async_io op with (pip install ninja)"
+    return None
+
+
+def nvme_refusal(cfg: dict[str, Any]) -> str | None:
+    """One line refusing a DeepSpeed config that swaps to NVMe on a machine whose async_io op cannot run; None when
+    the config swaps nothing to NVMe or the op can run. Checked before the run folder is claimed."""
+    sections = nvme_offload(cfg)
+    if not sections:
+        return None
+    why = async_io_unavailable()
+    if why is None:
+        return None
+    return (f"NVMe offload ({', '.join(sections)} on nvme) needs DeepSpeed's async_io op, which cannot run here: {why}"
+            "; nothing was written (`adaptive fit` or the recipe's --dry-run plans it without running it)")
+
+
+def async_io_op_to_build(cfg: dict[str, Any]) -> str | None:
+    """The async_io op's name when `cfg` swaps to NVMe and the op is still to be compiled here (minutes, once per
+    environment; deepspeed.initialize does it silently), else None."""
+    if not nvme_offload(cfg) or async_io_built():
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    return builder.absolute_name() if builder is not None else None
+
+
 # --- the engine ---------------------------------------------------------------------------------
 
 
@@ -171,8 +258,13 @@ def discard_gradients(engine: Any, probe: dict[str, Any]) -> None:
         engine.zero_grad()
         return
     # Backpropagate a NaN through the probe at the boundary: the gradient becomes non-finite
-    # everywhere, and DeepSpeed's overflow check skips the update and clears its buffers.
+    # everywhere, and DeepSpeed's overflow check skips the update and clears its buffers. Every token of the probe
+    # is made a target: an instruction block's first tokens are its prompt, whose labels are all ignored, and a loss
+    # without targets gives zero gradients, NaN-scaled or not (a fine-tune's OOM retry under ZeRO then applied the
+    # half-accumulated step).
     engine.set_gradient_accumulation_boundary(True)
+    if "labels" in probe:
+        probe = {**probe, "labels": probe["input_ids"]}
     out = engine(**probe)
     engine.backward(out.loss * float("nan"), scale_wrt_gas=False)
     engine.step()
@@ -387,9 +479,9 @@ def collective_failure(err: BaseException) -> bool:
 
 
 __all__ = ["A2A_TIMERS", "CHECKPOINT_CLASSES", "DEEPSPEED_VERSION_READ", "checkpoint_classes", "INTERNALS", "MOE_TIMER",
-           "collective_failure",
+           "async_io_built", "async_io_op_to_build", "async_io_unavailable", "collective_failure",
            "discard_gradients", "expert_group_line", "expert_parallel_rank", "keep_fp32_clip_norm",
-           "name_cpu_accelerator", "prints_held",
+           "name_cpu_accelerator", "nvme_offload", "nvme_refusal", "prints_held",
            "shm_comm_op_built_line",
            "moe_layers_with_timers", "moe_param_groups", "moe_timer_seconds", "reported_grad_norm",
            "reports_grad_norm", "sequence_parallel_group", "set_batch_sizes", "start_moe_timers", "stop_moe_timers",

@@ -157,6 +157,7 @@ def plan_launch(req: LaunchRequest) -> Launch:
     recipe = Path(req.recipe)
     config = req.config
     declared = load_recipe(recipe)
+    config = declared.with_defaults(config)  # a fine-tune recipe's method, as the recipe itself applies it
     preset, arch = declared.resolve(config)
     # what the recipe will parse on every node: an option it does not take is refused here, before anything is
     # written, not after the launch
@@ -194,14 +195,22 @@ def plan_launch(req: LaunchRequest) -> Launch:
                      f"directly (sequence {k.seq_len}, micro-batch {k.micro_batch_size} x {k.gradient_accumulation_steps}"
                      f", {cpu_run.max_steps} steps unless --max-steps); the plan's GPU memory and speed do not apply")
     else:
-        model = planned_model(config.model.init_from, preset, arch)  # --init-from: the checkpoint's shape
-        request = make_request(model=model, arch=arch, gpu=gpu, kernels="lean", gpus=gpus, nodes=nodes,
+        ft = config.finetune
+        # --init-from: the checkpoint's shape; a fine-tune (as the recipe plans it, train/run/runplan.py plan_run)
+        # trains the checkpoint's own arch with transformers' class, with its method, optimizer and NVMe drive
+        model = planned_model(config.model.init_from, preset, arch, finetune=ft.finetune)
+        request = make_request(model=model, arch=None if ft.finetune else arch, gpu=gpu,
+                               kernels=None if ft.finetune else "lean", gpus=gpus, nodes=nodes,
                                seq_len=config.data.seq_len or 2048, min_seq_len=config.data.min_seq_len,
                                tokens=config.schedule.tokens, zero=par.zero, offload=par.offload,
                                micro_batch=par.micro_batch, grad_accum=par.grad_accum,
                                checkpointing=config.checkpointing.gradient_checkpointing, ep_size=par.ep_size,
+                               checkpoint_policy=config.checkpointing.checkpoint_policy,
                                ds_config=par.ds_config, sp_size=par.sp_size, tp_size=par.tp_size,
-                               zero_hpz=par.zero_hpz, zero_quantize=par.zero_quantize, pp_size=par.pp_size)
+                               zero_hpz=par.zero_hpz, zero_quantize=par.zero_quantize, pp_size=par.pp_size,
+                               optimizer=config.optimizer.optimizer, finetune=ft.finetune, lora_rank=ft.lora_rank,
+                               lora_alpha=ft.lora_alpha, lora_targets=ft.lora_targets, lora_dropout=ft.lora_dropout,
+                               epochs=ft.epochs, nvme_path=par.nvme_path, nvme_gbps=par.nvme_gbps)
         plan = fit(request)
         if not req.dry_run and config.hardware.gpu and not _cuda_available():
             s0 = plan.shown.setup
@@ -236,6 +245,9 @@ def plan_launch(req: LaunchRequest) -> Launch:
     recipe_args = [str(recipe.resolve()), *to_argv(handed, TRAIN), *req.recipe_args]
     script = _batch_script(req, plan, handed, files, cpu=cpu_ds_config is not None,
                            title=f"{preset} {arch}") if slurm else None
+    if slurm and _length_from_data(config, plan) and config.scheduler.time is None:
+        notes.append("a fine-tune runs whole epochs of its data, which the plan does not count: the job has no time "
+                     "limit of its own (the partition's applies); give --time, or --max-steps")
     keep = req.dry_run and not config.output.overwrite and any(path.exists() for path in files.values())
     if not keep:
         files = {**write_plan_files(plan, run_dir), **({"batch_script": files["batch_script"]} if slurm else {})}
@@ -336,7 +348,8 @@ def _batch_script(req: LaunchRequest, plan: Plan, handed: RunConfig, files: dict
     gpus, nodes = config.hardware.gpus or 1, config.hardware.nodes or 1
     shown = plan.shown
     step_s = None if cpu else shown.throughput.step_seconds
-    run_s = None if cpu else (config.schedule.max_steps * step_s if config.schedule.max_steps else plan.hours * 3600)
+    run_s = None if cpu or _length_from_data(config, plan) else (
+        config.schedule.max_steps * step_s if config.schedule.max_steps else plan.hours * 3600)
     resources = plan_job(nodes=nodes, processes=gpus, gpu=not cpu, run_s=run_s, step_s=step_s,
                          params=plan.counts.total, checkpoint_every=out.checkpoint_every,
                          host_bytes_per_node=0 if cpu else shown.memory.host_bytes_per_node,
@@ -356,6 +369,12 @@ def _batch_script(req: LaunchRequest, plan: Plan, handed: RunConfig, files: dict
         main_port=req.main_process_port, args=args(handed), cpu=cpu,
         max_restarts=config.faults.max_restarts or 0,
         requeue=sched.requeue, partition=sched.partition, account=sched.account, qos=sched.qos))
+
+
+def _length_from_data(config: RunConfig, plan: Plan) -> bool:
+    """A fine-tune without --max-steps or --tokens: the recipe counts its steps from its examples (--epochs of them),
+    while the plan's hours are of a nominal dataset (plan/finetune/defaults.py), so they time no job."""
+    return plan.request.finetune is not None and not config.schedule.max_steps and config.schedule.tokens is None
 
 
 def _require_a_checkpoint(resume: str, run_dir: Path) -> None:

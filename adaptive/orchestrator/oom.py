@@ -10,12 +10,14 @@ the same optimizer step on the same samples, so no sample is lost or repeated:
     2. micro-batch 1: checkpoint more activations, one policy of `checkpoint_ladder` per OOM, as
        the planner orders them (least recompute first): every:4 (every 4th block recomputes), every:2,
        mlp (each block recomputes its MLP half), full. A run that starts on a policy moves to the next
-       one after it (a policy not in the ladder, e.g. a pinned every:3, to full);
+       one after it (a policy not in the ladder, e.g. a pinned every:3, to full). A policy the model
+       class cannot run is passed over: transformers' classes (a fine-tune) have no mlp;
     3. full checkpointing already on: halve the sequence, when `min_seq_len` allows it (half >= min_seq_len,
        and half divides the block length), and double the accumulation. The data stay blocks of the
        run's --seq-len (the block length); the loop cuts each of the step's blocks into consecutive
        pieces of the new seq_len and runs the micro-batches over the pieces, so the step takes the same
-       blocks and the same tokens as before. Each piece is a sequence of its own: its first token has
+       blocks and the same tokens as before. Not for a fine-tune (`shorter_seq_blocked`): a piece of an
+       instruction example is an answer without its prompt. Each piece is a sequence of its own: its first token has
        no context, and a block of B tokens cut into k pieces yields B - k predicted tokens instead of
        B - 1. The rung repeats (1/4, 1/8, ...) while min_seq_len allows. Without `min_seq_len` the
        ladder ends at full checkpointing: the policy records "exhausted" and the error propagates.
@@ -32,7 +34,7 @@ same on every rank because it follows from the knobs alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from adaptive.orchestrator.registry import Policy, require
@@ -62,14 +64,15 @@ class OOMConfig:
                 f"{list(self.checkpoint_ladder)}")
 
 
-def next_rung(knobs: Knobs, config: OOMConfig) -> tuple[str, dict[str, Any]] | None:
-    """(action, runtime knob changes) of the next rung, or None when none is left."""
+def next_rung(knobs: Knobs, config: OOMConfig, skip: frozenset[str] = frozenset()) -> tuple[str, dict[str, Any]] | None:
+    """(action, runtime knob changes) of the next rung, or None when none is left. `skip`: checkpointing policies
+    the model class does not run (transformers' classes of a fine-tune have no "mlp"; `unsupported_policies`)."""
     micro = knobs.micro_batch_size
     if micro > 1:
         smaller = max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
         accum = knobs.gradient_accumulation_steps * (micro // smaller)
         return "halve_micro_batch", {"micro_batch_size": smaller, "gradient_accumulation_steps": accum}
-    policy = next_checkpoint_policy(knobs.checkpoint_policy, config) if config.checkpointing else None
+    policy = next_checkpoint_policy(knobs.checkpoint_policy, config, skip) if config.checkpointing else None
     if policy is not None:
         action = "enable_checkpointing" if knobs.checkpoint_policy == "off" else "raise_checkpointing"
         return action, {"checkpoint_policy": policy}
@@ -80,14 +83,25 @@ def next_rung(knobs: Knobs, config: OOMConfig) -> tuple[str, dict[str, Any]] | N
     return None
 
 
-def next_checkpoint_policy(current: str, config: OOMConfig) -> str | None:
-    """The ladder's policy after `current` (its first from off, full from one not in it); None at full."""
+def next_checkpoint_policy(current: str, config: OOMConfig, skip: frozenset[str] = frozenset()) -> str | None:
+    """The ladder's policy after `current` (its first from off, full from one not in it), passing over those in
+    `skip`; None at full."""
     ladder = config.checkpoint_ladder
     if current == "full":
         return None
-    if current == "off":
-        return ladder[0]
-    return ladder[ladder.index(current) + 1] if current in ladder else "full"
+    after = ladder if current == "off" else ladder[ladder.index(current) + 1:] if current in ladder else ("full",)
+    return next(p for p in after if p not in skip or p == "full")
+
+
+def unsupported_policies(plan: Any) -> frozenset[str]:
+    """The ladder's selective policies the run's model class cannot run: the planner's own rule (planner.py
+    `selective_policies`: transformers' classes, a fine-tune's, checkpoint whole layers, so no "mlp")."""
+    request = getattr(plan, "request", None)
+    if request is None:
+        return frozenset()
+    from adaptive.plan.search.planner import selective_policies
+
+    return frozenset(SELECTIVE_POLICIES) - frozenset(selective_policies(request))
 
 
 def shorter_seq_len(knobs: Knobs, min_seq_len: int | None) -> int | None:
@@ -98,6 +112,18 @@ def shorter_seq_len(knobs: Knobs, min_seq_len: int | None) -> int | None:
     if half < max(min_seq_len, 2) or knobs.block_len % half:
         return None
     return half
+
+
+def shorter_seq_blocked(plan: Any) -> str | None:
+    """Why rung 3 (halve the sequence) is not taken for this run; None when it may be. A fine-tune's block is one
+    example (or whole examples, packed): a piece of a cut block is an answer without the prompt it answers, or a
+    prompt without its answer, which trains something else than the data says. A fine-tune's ladder ends at full
+    checkpointing; the planner's --seq-len is the one to lower."""
+    request = getattr(plan, "request", None)
+    if getattr(request, "finetune", None) is None:
+        return None
+    return ("no shorter sequence for a fine-tune: a piece of a cut example is an answer without its prompt; "
+            "lower --seq-len instead")
 
 
 class OOMPolicy:
@@ -118,14 +144,16 @@ class OOMPolicy:
             self.events.record(state.step + 1, self.name, "give_up", f"{state.attempt} retries of this step",
                                signals=signals, before=before, after=before)
             return
-        rung = next_rung(knobs, self.config)
+        blocked = shorter_seq_blocked(state.plan)
+        config = replace(self.config, min_seq_len=None) if blocked else self.config
+        rung = next_rung(knobs, config, unsupported_policies(state.plan))
         if rung is None:
+            why = blocked or (f"no shorter sequence allowed (seq_len {knobs.seq_len}, block {knobs.block_len}, "
+                              f"min_seq_len {self.config.min_seq_len})")
             self.events.record(state.step + 1, self.name, "exhausted", "out of memory at micro-batch 1 with "
                                f"checkpointing {knobs.checkpoint_policy}"
-                               f"{'' if knobs.gradient_checkpointing else ' (no more allowed)'}; no "
-                               f"shorter sequence allowed (seq_len {knobs.seq_len}, block {knobs.block_len}, "
-                               f"min_seq_len {self.config.min_seq_len})", signals=signals, before=before,
-                               after=before)
+                               f"{'' if knobs.gradient_checkpointing else ' (no more allowed)'}; {why}",
+                               signals=signals, before=before, after=before)
             return
         action, changes = rung
         control.change_knobs = dict(changes)
@@ -148,4 +176,5 @@ class OOMPolicy:
 
 POLICY = Policy(name="oom", config=OOMConfig, build=lambda monitor, events, config: OOMPolicy(events, config))
 
-__all__ = ["OOMConfig", "OOMPolicy", "next_checkpoint_policy", "next_rung", "shorter_seq_len"]
+__all__ = ["OOMConfig", "OOMPolicy", "next_checkpoint_policy", "next_rung", "shorter_seq_blocked", "shorter_seq_len",
+           "unsupported_policies"]

@@ -514,6 +514,11 @@ def check_with_deepspeed(cfg: dict[str, Any], world_size: int) -> None:
 
     if importlib.util.find_spec("deepspeed") is None:
         return
+    from adaptive.engine import nvme_refusal
+
+    refusal = nvme_refusal(cfg)  # ZeRO-Infinity without an async_io op that can run here
+    if refusal:
+        raise AdaptiveError(refusal)
     from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from pydantic import ValidationError
