@@ -190,6 +190,7 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
     if state.knobs.pp_size > 1:
         return _pipeline_step(state, control, loop, micro_batches)
     count = len(micro_batches)  # the accumulation; sp x that under Ulysses (every SP rank's micro-batches in turn)
+    loss_count = _step_target_count(micro_batches, state, loop)
     stats = StepStats.zeros(loop.device)
     progress = loop.progress
     for i, batch in enumerate(micro_batches):
@@ -199,7 +200,7 @@ def train_step(state: TrainerState, control: Control, loop: Loop, step_batch: di
         engine.set_gradient_accumulation_boundary(i == count - 1)
         # Without the logits (tokens x vocab, 16-bit): nothing reads them after the loss, and holding
         # them through backward costs memory the plan does not count (adaptive measure holds the same).
-        outputs = replace(engine(**batch, **_loss_count(batch, loop)), logits=None)
+        outputs = replace(engine(**batch, **(loss_count or _loss_count(batch, loop))), logits=None)
         loss = outputs.loss
         progress.phase = "backward"
         scale = loop.sequence_shards.gradient_scale if loop.sequence_shards is not None else 1.0
@@ -270,6 +271,23 @@ def step_micro_batches(step_batch: dict[str, torch.Tensor], knobs: Knobs, loop: 
     batches = [{k: v[i * micro:(i + 1) * micro] for k, v in sequences.items()}
                for i in range(knobs.gradient_accumulation_steps)]
     return batches if loop.sequence_shards is None else loop.sequence_shards.shard(batches)
+
+
+def _step_target_count(micro_batches: list[dict[str, torch.Tensor]], state: TrainerState,
+                       loop: Loop) -> dict[str, Any]:
+    """A fine-tune's loss is the mean over the step's target tokens on all ranks, as transformers' Trainer takes it
+    (`num_items_in_batch`): each micro-batch's summed token loss over the step's mean count per micro-batch, so an
+    example with a longer answer weighs more, and a micro-batch with no answer token adds 0, not 0/0. The count
+    per micro-batch is the mean over every rank (a TP group's copies cancel out), so the micro-batches' mean loss,
+    averaged by DeepSpeed over the data-parallel ranks, is the step's token mean. Pretraining blocks hold the same
+    count in every micro-batch, where this is each one's own mean: they keep it (and its collective-free step)."""
+    if loop.run.finetune is None or loop.sequence_shards is not None or state.knobs.pp_size > 1:
+        return {}
+    targets = sum((b["labels"][:, 1:] != -100).sum() for b in micro_batches).to(loop.device, torch.float32)
+    processes = state.accelerator.num_processes
+    if processes > 1:
+        targets = state.accelerator.reduce(targets, reduction="sum")
+    return {"num_items_in_batch": targets / (len(micro_batches) * processes)}
 
 
 def _loss_count(batch: dict[str, torch.Tensor], loop: Loop) -> dict[str, Any]:

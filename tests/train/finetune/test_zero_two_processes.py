@@ -1,9 +1,9 @@
 """LoRA under ZeRO-2 and ZeRO-3, and QLoRA under ZeRO-3, on two processes (torchrun, gloo) train as one process
 does: the same global batch of 8 examples a step, the same per-step losses, the same adapter.
 
-The global batch is split so that nothing but the order of sums differs: one example per micro-batch (the loss of
-a micro-batch is the mean over its trained tokens, so grouping examples otherwise would weight them otherwise), one
-process accumulating 8 of them, two processes 4 each. Rank r's sample i is global sample 2i + r
+The global batch is split so that nothing but the order of sums differs: one example per micro-batch (the step's loss
+is the mean over all its trained tokens however it is grouped, test_step_loss.py; one example each keeps the sums'
+order closest), one process accumulating 8 of them, two processes 4 each. Rank r's sample i is global sample 2i + r
 (adaptive/train/data/order.py), so a step's 8 examples are the same on one process and on two. What differs is
 the order in which fp32 gradients are summed (accumulation, then gloo's all-reduce or reduce-scatter over the
 ranks) and the loss is averaged: rounding of ~1e-7 relative, which Adam's steps carry into the weights.
