@@ -37,10 +37,17 @@ def record(cls: type[T]) -> type[T]:
 
 
 def _eq(self: Any, other: Any) -> bool:
-    if other.__class__ is self.__class__:
-        names = self.__record_compare__
-        return tuple(getattr(self, n) for n in names) == tuple(getattr(other, n) for n in names)
-    return NotImplemented
+    # field by field, as the tuples' == compares (identity first), stopping at the first difference: the planner's
+    # caches compare their records' keys thousands of times a fit
+    if other.__class__ is not self.__class__:
+        return NotImplemented
+    if other is self:
+        return True
+    for n in self.__record_compare__:
+        a, b = getattr(self, n), getattr(other, n)
+        if a is not b and not a == b:
+            return False
+    return True
 
 
 def _hash(self: Any) -> int:

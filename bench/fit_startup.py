@@ -1,12 +1,13 @@
 """How long `adaptive fit` takes as a user runs it: fresh processes of an installed `adaptive`, best of N.
 
-    python bench/fit_startup.py [--repeats 10] [--instructions] [--budget] ADAPTIVE [ADAPTIVE ...]
+    python bench/fit_startup.py [--repeats 10] [--instructions] [--budget] [--finetune] ADAPTIVE [ADAPTIVE ...]
 
 ADAPTIVE: the `adaptive` script of a venv (e.g. one per commit: `python3 -m venv V && V/bin/pip install .`).
 For b7 (does not fit, so it also searches what would) and b1 (fits) on one A100-40GB, tables and --json, it
 prints each executable's best and median wall time and best CPU time (user + system), the executables
 interleaved run by run so the machine's load hits them alike. --instructions adds the instructions one run
-executes (valgrind's callgrind; ~30 s a run): unlike time, they do not move with the load.
+executes (valgrind's callgrind; ~30 s a run): unlike time, they do not move with the load. --finetune adds the
+README's 4090 fine-tune questions on examples/llama-3.1-8b/config.json (run from the repository root).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ CASES = (["--model", "b7", "--gpu", "a100-40gb"], ["--model", "b7", "--gpu", "a1
 BUDGET_CASES = (["--budget-usd", "2000", "--gpu", "a100-80gb", "--gpus", "8"],
                 ["--budget-usd", "1e6", "--gpu", "h100-80gb", "--gpus", "8", "--nodes", "4"],
                 ["--budget-days", "7", "--gpu", "rtx4090-24gb", "--json"])
+# --finetune: a downloaded config.json; a full fine-tune does not fit, so it also plans the LoRA, QLoRA and NVMe rungs
+FINETUNE_CASES = tuple(["--model", "examples/llama-3.1-8b/config.json", "--gpu", "rtx4090", "--finetune", method, *extra]
+                       for method, extra in (("full", []), ("lora", []), ("qlora", []), ("qlora", ["--json"])))
 
 
 def timed(cmd: list[str]) -> tuple[float, float]:
@@ -46,9 +50,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--instructions", action="store_true")
     parser.add_argument("--budget", action="store_true", help="also time the budget search")
+    parser.add_argument("--finetune", action="store_true", help="also time the 4090 fine-tune plans")
     args = parser.parse_args()
     print("load average:", open("/proc/loadavg").read().split()[:3])
-    for case in CASES + (BUDGET_CASES if args.budget else ()):
+    for case in CASES + (BUDGET_CASES if args.budget else ()) + (FINETUNE_CASES if args.finetune else ()):
         runs: dict[str, list[tuple[float, float]]] = {exe: [] for exe in args.adaptive}
         for _ in range(args.repeats):
             for exe in args.adaptive:
