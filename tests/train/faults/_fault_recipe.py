@@ -66,7 +66,8 @@ def kill_inside_checkpoint(step: int, rank: int) -> None:
     checkpoint.atomic_write_text = writing
 
 
-if __name__ == "__main__":
+def main_with_fault(declared: Recipe) -> int:
+    """Run `declared` with the FAULT of the environment armed on its rank, on the first start only."""
     spec = json.loads(os.environ.get("FAULT", "null"))
     callbacks = []
     if spec and restart_count() == 0 and int(os.environ.get("RANK", "0")) == spec["rank"]:
@@ -74,4 +75,8 @@ if __name__ == "__main__":
             kill_inside_checkpoint(spec["step"], spec["rank"])
         else:
             callbacks.append(Fault(spec))
-    raise SystemExit(recipe.main(callbacks=callbacks))
+    return declared.main(callbacks=callbacks)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main_with_fault(recipe))

@@ -25,8 +25,9 @@ ROWS = 64
 
 
 def write_checkpoint(folder: Path, model_type: str, *, dtype: str = "float32", chat_template: bool = True,
-                     seed: int = 0) -> Path:
-    """`model_type`'s class at the tiny shape, saved in `dtype` with the offline tokenizer (and the chat template)."""
+                     seed: int = 0, **shape: int) -> Path:
+    """`model_type`'s class at the tiny shape (`shape` overriding its fields), saved in `dtype` with the offline
+    tokenizer (and the chat template)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -34,7 +35,7 @@ def write_checkpoint(folder: Path, model_type: str, *, dtype: str = "float32", c
 
     tokenizer = load_tokenizer(None)
     tokenizer.chat_template = CHAT_TEMPLATE if chat_template else None
-    shape = dict(SHAPE)
+    shape = {**SHAPE, **shape}
     if model_type == "gpt2":  # an unsupported family: its own names for the shape
         shape = dict(n_embd=64, n_layer=2, n_head=4)
     config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
@@ -44,6 +45,12 @@ def write_checkpoint(folder: Path, model_type: str, *, dtype: str = "float32", c
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return Path(folder)
+
+
+def write_llama(folder: Path, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
+    """A Llama of `hidden` (intermediate 2.5x, 4 heads) and `layers` in fp32: the NVMe and orchestrator tests' sizes."""
+    return write_checkpoint(folder, "llama", seed=seed, hidden_size=hidden, intermediate_size=hidden * 5 // 2,
+                            head_dim=hidden // 4, num_hidden_layers=layers)
 
 
 def sums(i: int) -> tuple[int, int]:

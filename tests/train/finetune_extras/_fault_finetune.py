@@ -7,22 +7,11 @@ faults, FAULT in the environment); `adaptive launch` reads its `recipe` declarat
 
 from __future__ import annotations
 
-import json
-import os
-
 from adaptive.recipe import Recipe
-from adaptive.train.run.restart import restart_count
 
 recipe = Recipe(finetune="lora")
 
 if __name__ == "__main__":
-    from tests.train.faults._fault_recipe import Fault, kill_inside_checkpoint
+    from tests.train.faults._fault_recipe import main_with_fault
 
-    spec = json.loads(os.environ.get("FAULT", "null"))
-    callbacks = []
-    if spec and restart_count() == 0 and int(os.environ.get("RANK", "0")) == spec["rank"]:
-        if spec["fault"] == "sigkill_in_checkpoint":
-            kill_inside_checkpoint(spec["step"], spec["rank"])
-        else:
-            callbacks.append(Fault(spec))
-    raise SystemExit(recipe.main(callbacks=callbacks))
+    raise SystemExit(main_with_fault(recipe))

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO_ROOT, subprocess_env
-from tests.train.finetune_extras._tiny import write_chat, write_llama
+from tests.train.finetune._checkpoints import write_chat, write_llama
 
 RECIPE = str(REPO_ROOT / "recipes" / "finetune.py")
 

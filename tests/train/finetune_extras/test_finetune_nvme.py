@@ -22,7 +22,7 @@ import time
 import pytest
 
 from tests.orchestrator._launch import read_records
-from tests.train.finetune_extras._tiny import write_chat, write_llama
+from tests.train.finetune._checkpoints import write_chat, write_llama
 from tests.train._launch import REPO, free_port, launch_env
 
 pytestmark = pytest.mark.slow  # DeepSpeed's async_io op (built once) and four ZeRO-3 fine-tunes

@@ -17,7 +17,7 @@ import json
 import pytest
 
 from tests.orchestrator._launch import read_records
-from tests.train.finetune_extras._tiny import write_chat, write_llama
+from tests.train.finetune._checkpoints import write_chat, write_llama
 from tests.train._launch import REPO
 
 pytestmark = pytest.mark.slow  # two accelerate-launched fine-tunes of 16 steps

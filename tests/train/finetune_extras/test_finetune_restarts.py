@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.train.finetune_extras._tiny import write_chat, write_llama
+from tests.train.finetune._checkpoints import write_chat, write_llama
 from tests.train._launch import REPO, launch_env
 
 pytestmark = pytest.mark.slow  # two 2-process fine-tunes, one of them restarted

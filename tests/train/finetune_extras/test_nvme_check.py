@@ -86,7 +86,7 @@ def test_a_run_with_nvme_offload_where_libaio_is_missing_stops_in_one_line_befor
 
     from torch.utils.cpp_extension import _get_build_directory
 
-    from tests.train.finetune_extras._tiny import write_chat, write_llama
+    from tests.train.finetune._checkpoints import write_chat, write_llama
     from tests.train._launch import REPO, launch_env
 
     checkpoint, data = write_llama(tmp_path / "tiny-llama"), write_chat(tmp_path / "chat.jsonl")
