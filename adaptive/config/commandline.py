@@ -46,9 +46,11 @@ def _base_type(annotation: str) -> type:
 
 def _parameter(field: Any, flag: Flag) -> inspect.Parameter:
     kind = _choice_type(flag) if flag.choices and not flag.many else _base_type(field.type)
+    if flag.unit:  # "20B", "256GB": RunConfig.from_options reads the suffix
+        kind = str
     names = (f"{flag.name}/{flag.negative}", *flag.names[1:]) if flag.negative else flag.names
     # a long list of choices is shown as <name> (the help lists them): at 80 columns rich would cut option names
-    metavar = None
+    metavar = {"count": "NUMBER", "gib": "GIB"}.get(flag.unit or "")
     if flag.choices and len("|".join(flag.choices)) > MAX_CHOICES_SHOWN:
         metavar = "<list>" if flag.many else "<choice>"
     info = typer.Option(*names, help=flag.help, rich_help_panel=flag.panel, show_default=field.default is not None,
@@ -110,6 +112,10 @@ def run_command(app: typer.Typer, argv: list[str] | None, prog_name: str) -> int
     except AdaptiveError as err:
         return fail(str(err))
     except _ClickException as err:
+        if type(err).__name__ == "NoArgsIsHelpError":  # a bare `adaptive`: its help (rich has printed it already)
+            if err.format_message():
+                sys.stdout.write(err.format_message() + "\n")
+            return 0
         return fail(err.format_message().replace("\n", " "))
     except typer.Abort:
         return 130

@@ -47,6 +47,7 @@ class Flag:
     negative: str | None = None  # the flag that turns a bool off ("--no-checkpointing")
     bare: str | None = None  # the value of the flag given alone (`--resume` is `--resume auto`)
     pattern: tuple[str, str] | None = None  # a string's (full-match regex, what it allows), for values a shell sees
+    unit: str | None = None  # "count" (20B, 1.5T) or "gib" (256GB, 1TiB): the number may carry a suffix (UNITS)
     panel: str = ""  # the --help section, set from the dataclass
 
     @property
@@ -102,14 +103,15 @@ class HardwareOptions:
         help="GPUs per node to plan for (default 1); a training run takes its launcher's.")
     nodes: int | None = option(None, "--nodes", commands=WORLD, minimum=1,
                                help="Nodes to plan for (default 1); a training run takes its launcher's.")
-    gpu_mem: float | None = option(None, "--gpu-mem", commands=ESTIMATE, above=0.0,
-                                   help="Custom GPU memory in GiB.")
+    gpu_mem: float | None = option(None, "--gpu-mem", commands=ESTIMATE, above=0.0, unit="gib",
+                                   help="Custom GPU memory in GiB (2^30 bytes), or with a unit: 80GB, 80GiB.")
     gpu_tflops: float | None = option(None, "--gpu-tflops", commands=ESTIMATE, above=0.0,
                                       help="Custom GPU peak dense 16-bit TFLOP/s.")
     price: float | None = option(None, "--price", commands=FIT_ONLY, minimum=0.0,
                                  help="USD per GPU hour (default: catalog price).")
-    host_mem: float | None = option(None, "--host-mem", commands=FIT_ONLY, above=0.0,
-                                    help="Host RAM per node in GiB (default 3x GPU memory).")
+    host_mem: float | None = option(None, "--host-mem", commands=FIT_ONLY, above=0.0, unit="gib",
+                                    help="Host RAM per node in GiB (2^30 bytes), or with a unit: 256GB (1e9 bytes), "
+                                         "256GiB, 1TiB (default 3x GPU memory).")
     mfu: float | None = option(None, "--mfu", commands=FIT_ONLY, above=0.0, maximum=1.0,
                                help="Override the assumed MFU (0-1].")
 
@@ -154,12 +156,13 @@ class ScheduleOptions:
     """How long the run is, and its global batch."""
 
     tokens: float | None = option(
-        None, "--tokens", commands=WORLD, above=0.0, maximum=1e15,  # 1,000T tokens: far above any published run
-        help="Training tokens (default 20 x active params; 100 steps for a run on a CPU).")
+        None, "--tokens", commands=WORLD, above=0.0, maximum=1e15, unit="count",  # 1,000T: above any published run
+        help="Training tokens: 2e10, or 20B, 1.5T, 500M, 10K (default 20 x active params; 100 steps for a run on a "
+             "CPU).")
     max_steps: int | None = option(None, "--max-steps", commands=RUN, minimum=1,
                                    help="Optimizer steps to train (instead of --tokens).")
-    global_batch_tokens: int | None = option(None, "--global-batch-tokens", commands=FIT_ONLY, minimum=1,
-                                             help="Global batch in tokens (default by size).")
+    global_batch_tokens: int | None = option(None, "--global-batch-tokens", commands=FIT_ONLY, minimum=1, unit="count",
+                                             help="Global batch in tokens, e.g. 4M (default by size).")
 
 
 @record
@@ -172,8 +175,8 @@ class QualityOptions:
              "runs), chinchilla (Hoffmann et al. 2022, approach 3) or a law.json that `adaptive scale` fitted on "
              "your data.")
     dataset_tokens: float | None = option(
-        None, "--dataset-tokens", commands=FIT_ONLY | {COMPARE}, above=0.0, maximum=1e15,
-        help="Unique tokens in your dataset: a run longer than it repeats data, which the loss prediction "
+        None, "--dataset-tokens", commands=FIT_ONLY | {COMPARE}, above=0.0, maximum=1e15, unit="count",
+        help="Unique tokens in your dataset (e.g. 50B): a run longer than it repeats data, which the loss prediction "
              "discounts (Muennighoff et al. 2023).")
     budget_usd: float | None = option(
         None, "--budget-usd", commands=FIT_ONLY, above=0.0, maximum=1e10,
@@ -184,8 +187,9 @@ class QualityOptions:
     budget_days: float | None = option(None, "--budget-days", commands=FIT_ONLY, above=0.0, maximum=3650.0,
                                        help="As --budget-usd, in days of wall-clock time on the given GPUs.")
     max_params: float | None = option(
-        None, "--max-params", commands=FIT_ONLY, above=0.0, maximum=1e13,
-        help="With a budget: consider only models with at most this many parameters in all (what serving costs).")
+        None, "--max-params", commands=FIT_ONLY, above=0.0, maximum=1e13, unit="count",
+        help="With a budget: consider only models with at most this many parameters in all, e.g. 3B (what serving "
+             "costs).")
 
 
 @record
@@ -260,6 +264,7 @@ class FinetuneOptions:
         help="Linear layers LoRA adapts: all-linear (PEFT's: every nn.Linear but the output layer; default), "
              "attention, or module names as PEFT takes them (q_proj,v_proj).")
     lora_dropout: float | None = option(None, "--lora-dropout", commands=PLANNING | {COMPARE, MEASURE}, minimum=0.0,
+                                        maximum=1.0,
                                         help="LoRA dropout (default 0, PEFT's); each target then keeps its own "
                                              "dropped copy of its input for backward.")
     epochs: float | None = option(None, "--epochs", commands=PLANNING | {COMPARE}, above=0.0, maximum=1000.0,
@@ -445,6 +450,8 @@ class RunConfig:
         for section, f, flag in run_fields():
             if f.name in values:
                 value = values[f.name]
+                if flag.unit and isinstance(value, str):
+                    value = quantity(flag, value, integer=f.type.startswith("int"))
                 check(flag, value)
                 by_section.setdefault(section, {})[f.name] = value
         unknown = set(values) - {f.name for _, f, _ in run_fields()}
@@ -504,8 +511,43 @@ def check(flag: Flag, value: Any) -> None:
     if flag.above is not None and value <= flag.above:
         rule = "positive" if positive else f"> {flag.above:g}"
         raise AdaptiveError(f"{flag.name} must be {rule}, got {value:g}")
+    if flag.maximum == 1.0 and 1 < value <= 100:  # a percent where a fraction goes
+        raise AdaptiveError(f"{flag.name} {value:g} is not a fraction: did you mean {value / 100:g}?")
     if flag.maximum is not None and value > flag.maximum:
         raise AdaptiveError(f"{flag.name} must be <= {flag.maximum:g}, got {value:g}")
+
+
+# The suffixes a number may carry (Flag.unit). Counts of tokens and parameters are decimal, as papers write them;
+# memory is in GiB (2^30 bytes, as `nvidia-smi` and the planner's *_bytes / 2^30 figures), and takes decimal GB/TB
+# (1e9, 1e12 bytes: datasheets' and clouds' "256 GB") or binary MiB/GiB/TiB.
+UNITS: dict[str, tuple[dict[str, float], str, str]] = {  # unit -> (suffix -> multiplier, what it takes, example)
+    "count": ({"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12},
+              "a count: a number or one with K, M, B or T (1e3, 1e6, 1e9, 1e12)", "20B"),
+    "gib": ({"MB": 1e6 / 2**30, "GB": 1e9 / 2**30, "TB": 1e12 / 2**30, "MiB": 2**-10, "GiB": 1, "TiB": 2**10},
+            "GiB: a number or one with GB, TB (1e9, 1e12 bytes), MiB, GiB or TiB", "256GiB"),
+}
+_QUANTITY = re.compile(r"\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*")
+
+
+def quantity(flag: Flag, text: str, integer: bool = False) -> float | int:
+    """`text` ("20B", "1.5T", "256GB", "2e9") as the number `flag` takes; AdaptiveError naming the nearest valid one."""
+    assert flag.unit in UNITS, flag
+    multipliers, takes, example = UNITS[flag.unit]
+    m = _QUANTITY.fullmatch(text)
+    if m is None:
+        raise AdaptiveError(f"{flag.name} {text!r} is not {takes}; e.g. {example}")
+    number, suffix = m.groups()
+    by_lower = {k.lower(): v for k, v in multipliers.items()} | {"": 1.0}  # a plain number is in the flag's unit
+    if suffix.lower() not in by_lower:
+        near = closest(suffix, multipliers)
+        hint = f"did you mean {number}{near}?" if near else f"e.g. {example}"
+        raise AdaptiveError(f"{flag.name} {text!r}: unknown unit {suffix!r}, it takes {takes}; {hint}")
+    value = float(number) * by_lower[suffix.lower()]
+    if integer:
+        if value != int(value):
+            raise AdaptiveError(f"{flag.name} {text!r} is not a whole number; did you mean {round(value)}?")
+        return int(value)
+    return value
 
 
 def options_for(command: str) -> list[tuple[str, dataclasses.Field, Flag]]:
@@ -527,4 +569,5 @@ def to_argv(config: RunConfig, command: str = TRAIN) -> list[str]:
 
 
 __all__ = ["COMPARE", "ESTIMATE", "FIT", "FIT_ONLY", "Flag", "LAUNCH", "LAUNCH_ONLY", "MEASURE", "PLANNING", "RUN", "RunConfig",
-           "SCALE", "SHAPE", "SWEEP", "TRAIN", "WORLD", "check", "option", "options_for", "run_fields", "to_argv"]
+           "SCALE", "SHAPE", "SWEEP", "TRAIN", "UNITS", "WORLD", "check", "option", "options_for", "quantity", "run_fields",
+           "to_argv"]

@@ -8,6 +8,7 @@ classes build (`AdaptiveConfig.from_preset` reads the same `ModelSpec`).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, fields
 from functools import cached_property
 
@@ -211,6 +212,10 @@ def validate_arch_knobs(num_experts: int, top_k: int, mod_capacity: float, moe_l
 def preset_spec(name: str, arch: str = "dense", **arch_knobs) -> ModelSpec:
     """The preset `name` built as `arch`. Raises AdaptiveError for unknown names."""
     if name not in PRESETS:
+        if re.fullmatch(r"s\d+(\.\d+)?[mb]", name):  # the size ladder's names (ladder.params_name): a budget's winner
+            raise AdaptiveError(f"unknown model {name!r}: a size-ladder shape that a budget search picks, not a preset; "
+                                "`adaptive fit --budget-usd ... --out DIR` writes the winner's DIR/config.json, which "
+                                f"--model DIR takes (presets: {', '.join(PRESETS)})")
         raise unknown("model", name, PRESETS)
     if arch not in ARCHS:
         raise unknown("arch", arch, ARCHS)
