@@ -35,12 +35,19 @@ metrics.jsonl: one JSON object per line, `kind` says which:
       max_vio_max          the worst layer's max_vio
       dropped_fraction     per MoE layer, mean fraction of token-slots dropped by capacity
       mod_skip_rate        per MoD layer, mean fraction of tokens that skipped the block
+      train_seconds        wall seconds of the interval's training steps (what tokens_per_s divides by)
       memory               {allocated_bytes, peak_allocated_bytes, reserved_bytes} of the main
                            process's CUDA device, peak since the previous record; null on CPU
+      peak_rss_bytes       the main process's peak resident set (host memory) so far, on any device: a CPU
+                           run's memory, a GPU run's offloaded states (getrusage: it cannot be reset per interval)
       knobs                {micro_batch_size, gradient_accumulation_steps, gradient_checkpointing,
                            checkpoint_policy, seq_len} in force (seq_len < block_len: each block cut into pieces of seq_len)
   kind "eval": step, time, eval_loss (LM loss, token-weighted), eval_ppl, eval_tokens
-  kind "end": step, time, export (path of the final HF folder or null), skipped_steps
+  kind "end": step, time, export (path of the final HF folder or null), skipped_steps, and the end-of-run
+      summary's numbers (adaptive.train.reporting.summary says how each is taken): wall_seconds,
+      train_seconds, train_seconds_total, train_steps, warmup_seconds, tokens_per_s, mfu, tokens_seen, loss,
+      eval_loss, eval_ppl, peak_memory_bytes, peak_memory_kind, device, launches, first_step, run_dir,
+      checkpoint, adapter (a LoRA/QLoRA fine-tune's adapter folder, else null), finetune (method or null)
 
 With `--report-to`, the writer's sink hands every record to the experiment trackers too: the numbers of
 train, eval and end records as `train/loss`, `train/max_vio/layer_0`, `eval/eval_loss`, ... at the record's
@@ -52,6 +59,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +100,12 @@ def cuda_memory(device: torch.device) -> dict[str, int] | None:
     }
     torch.cuda.reset_peak_memory_stats(device)
     return out
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (Linux reports ru_maxrss in KiB, macOS in bytes): one system call."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if os.uname().sysname == "Darwin" else rss * 1024
 
 
 @dataclass
@@ -200,7 +214,7 @@ class IntervalMeter:
 
 def train_record(*, step: int, tokens_seen: int, reduced: dict[str, Any], lr: float, grad_norm: float | None,
                  skipped_steps: int, flops_per_token: float, peak_tflops: float | None, num_gpus: int,
-                 memory: dict[str, int] | None, knobs: dict[str, Any]) -> dict[str, Any]:
+                 memory: dict[str, int] | None, knobs: dict[str, Any], rss_bytes: int | None = None) -> dict[str, Any]:
     """The `kind: "train"` record (see the module docstring)."""
     tokens_per_s = reduced["tokens"] / reduced["seconds"] if reduced["seconds"] > 0 else None
     counts = reduced["expert_counts"]
@@ -219,6 +233,7 @@ def train_record(*, step: int, tokens_seen: int, reduced: dict[str, Any], lr: fl
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens_per_s": tokens_per_s,
+        "train_seconds": reduced["seconds"],
         "mfu": mfu(tokens_per_s, flops_per_token, peak_tflops, num_gpus),
         "skipped_steps": skipped_steps,
         "expert_counts": counts,
@@ -227,6 +242,7 @@ def train_record(*, step: int, tokens_seen: int, reduced: dict[str, Any], lr: fl
         "dropped_fraction": reduced["dropped_fraction"],
         "mod_skip_rate": reduced["mod_skip_rate"],
         "memory": memory,
+        "peak_rss_bytes": rss_bytes,
         "knobs": knobs,
     }
 
@@ -296,5 +312,5 @@ def read_metrics(path: str | Path, kind: str | None = None) -> list[dict[str, An
     return [r for r in records if kind is None or r.get("kind") == kind]
 
 
-__all__ = ["METRICS_FILE", "IntervalMeter", "MetricsWriter", "StepStats", "cuda_memory", "max_vio", "mfu",
+__all__ = ["METRICS_FILE", "IntervalMeter", "MetricsWriter", "StepStats", "cuda_memory", "max_vio", "mfu", "peak_rss_bytes",
            "read_metrics", "train_record"]

@@ -122,16 +122,17 @@ def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] 
     from adaptive.train.run import setup
     from adaptive.train.run.loop import Loop, LoopSettings, restore, set_peak_lr, train, write_run_files
     from adaptive.train.reporting.metrics import MetricsWriter
+    from adaptive.train.reporting.summary import knobs_line
     from adaptive.train.run.faults import append_event, guarded
 
     main_process = partial.is_main_process
     logger = get_logger(__name__)
     accelerator = setup.make_accelerator(plan, trackers, output_dir)
     setup.quiet_libraries(main_process)
-    logger.info("plan: %s %s on %d x %s (%s), knobs %s, DeepSpeed config from %s%s, %d steps of %d tokens",
+    logger.info("plan: %s %s on %d x %s (%s), %s, DeepSpeed config from %s%s, %d steps of %d tokens",
                 preset, arch, world.size, plan.device.gpu.name if plan.device.gpu else "cpu", plan.precision,
-                plan.knobs.as_dict(), plan.ds_source.kind, f" {plan.ds_source.path}" if plan.ds_source.path else "",
-                plan.max_steps, plan.tokens_per_step)
+                knobs_line(plan.knobs.as_dict()), plan.ds_source.kind,
+                f" {plan.ds_source.path}" if plan.ds_source.path else "", plan.max_steps, plan.tokens_per_step)
     logger.info("orchestrator: %s (--orchestrator %s; the plan's advice: %s)", "on" if plan.orchestrator else "off",
                 plan.orchestrator_requested, plan.plan.orchestrator.reason)
 

@@ -47,7 +47,9 @@ from adaptive.train.run.callbacks import CallbackList, Control, Knobs, TrainerSt
 from adaptive.train.run_folder import checkpoint as ckpt
 from adaptive.train.data.batches import SampleIterator, eval_batches
 from adaptive.train.reporting.display import ProgressDisplay
-from adaptive.train.reporting.metrics import IntervalMeter, MetricsWriter, StepStats, cuda_memory, train_record
+from adaptive.train.reporting.metrics import (IntervalMeter, MetricsWriter, StepStats, cuda_memory, mfu, peak_rss_bytes,
+                                              read_metrics, train_record)
+from adaptive.train.reporting.summary import LaunchTotals, peak_bytes, summary_lines
 from adaptive.train.run.runplan import RunPlan, ds_config_for_knobs, replan_for_knobs, with_knobs
 from adaptive.train.run.watchdog import Progress
 
@@ -87,6 +89,10 @@ class Loop:
     sequence_shards: Any = None  # sequence_parallel.SequenceShards under Ulysses (sp_size > 1), else None
     data_state: dict[str, Any] | None = None  # this rank's data state read by restore(), for the next SampleIterator
     progress: Progress = field(default_factory=Progress)  # step and phase, for the watchdog (watchdog.py)
+    totals: LaunchTotals = field(default_factory=LaunchTotals)  # this launch's steps, for the end-of-run summary
+    last_train: dict[str, Any] | None = None  # the last train record written
+    last_eval: dict[str, Any] | None = None  # the last eval record written
+    peak_memory_bytes: int | None = None  # the highest peak of the train records' memory
 
 
 @dataclass
@@ -109,6 +115,7 @@ def train(state: TrainerState, loop: Loop) -> TrainerState:
     control = Control()
     samples = loop.samples = SampleIterator(loop.data.train, state.samples_seen, loop.data_state)
     meter = IntervalMeter(loop.device)
+    loop.totals = LaunchTotals(first_step=state.step)
     state.model.train()
     loop.callbacks.on_train_start(state, control)
     with ProgressDisplay(loop.settings.progress and state.is_main_process, state.max_steps, state.step) as display, \
@@ -151,7 +158,9 @@ def step_once(state: TrainerState, control: Control, loop: Loop, samples: Sample
     stats = run_step(state, control, loop, step_batch)
     commit_step(state, samples)
     loop.progress.step_done()
-    meter.add(stats, time.perf_counter() - started, state.tokens_per_step)
+    seconds = time.perf_counter() - started
+    meter.add(stats, seconds, state.tokens_per_step)
+    loop.totals.add(seconds, state.tokens_per_step)
     metrics = maybe_log(state, loop, meter)
     loop.callbacks.on_step_end(state, control, metrics=metrics)
     return metrics, agree_requests(state, control, loop)
@@ -334,9 +343,11 @@ def maybe_log(state: TrainerState, loop: Loop, meter: IntervalMeter, force: bool
         grad_norm=state.last_grad_norm, skipped_steps=state.skipped_steps,
         flops_per_token=loop.run.flops_per_token_at(state.knobs.seq_len), peak_tflops=loop.run.peak_tflops,
         num_gpus=state.world_size, memory=cuda_memory(loop.device),
-        knobs={k: getattr(state.knobs, k) for k in Knobs.RUNTIME},
+        knobs={k: getattr(state.knobs, k) for k in Knobs.RUNTIME}, rss_bytes=peak_rss_bytes(),
     )
     loop.metrics.write(record)
+    loop.last_train = record
+    loop.peak_memory_bytes = max(filter(None, (loop.peak_memory_bytes, peak_bytes(record))), default=None)
     logger.info(_log_line(record))
     return record
 
@@ -395,7 +406,7 @@ def _evaluate(state: TrainerState, control: Control, loop: Loop) -> dict[str, An
                "eval_ppl": math.exp(min(eval_loss, 700.0)) if math.isfinite(eval_loss) else None,
                "eval_tokens": int(tokens)}
     loop.metrics.write(metrics)
-    loop.last_eval_step = state.step
+    loop.last_eval_step, loop.last_eval = state.step, metrics
     logger.info("eval step %d: loss %.4f ppl %.2f (%d tokens)", state.step, eval_loss, metrics["eval_ppl"] or
                 float("nan"), int(tokens))
     loop.callbacks.on_eval(state, control, metrics=metrics)
@@ -492,11 +503,49 @@ def finish(state: TrainerState, control: Control, loop: Loop) -> None:
     """The end of a complete run: a final checkpoint, an eval, the HF export."""
     if state.last_checkpoint is None or ckpt.checkpoint_step(state.last_checkpoint) != state.step:
         save(state, control, loop)
-    eval_metrics = evaluate(state, control, loop) if loop.last_eval_step != state.step else None
+    if loop.last_eval_step != state.step:
+        evaluate(state, control, loop)
     path = export(state, loop, state.output_dir / FINAL_EXPORT)
-    loop.metrics.write({"kind": "end", "step": state.step, "time": time.time(), "export": str(path),
-                        "skipped_steps": state.skipped_steps,
-                        "eval_loss": eval_metrics["eval_loss"] if eval_metrics else None})
+    end = {"kind": "end", "step": state.step, "time": time.time(), "export": str(path),
+           "skipped_steps": state.skipped_steps, **end_summary(state, loop)}
+    loop.metrics.write(end)
+    if state.is_main_process:
+        logger.info("run finished\n  " + "\n  ".join(summary_lines(end)))
+
+
+def end_summary(state: TrainerState, loop: Loop) -> dict[str, Any]:
+    """The end record's summary numbers (adaptive.train.reporting.summary says how each is taken)."""
+    import psutil
+
+    from adaptive.train.run_folder.finetune_export import adapter_target
+
+    totals, run = loop.totals, loop.run
+    tokens_per_s = totals.tokens_per_s()
+    # the eval's and the export's allocations since the last train record count too
+    rss = peak_rss_bytes()
+    final = peak_bytes({"memory": cuda_memory(loop.device), "peak_rss_bytes": rss})
+    peak = max(filter(None, (loop.peak_memory_bytes, final)), default=None)
+    train, evaluated = loop.last_train or {}, loop.last_eval or {}
+    try:
+        records = read_metrics(loop.metrics.path) if loop.metrics.enabled and loop.metrics.path.exists() else []
+    except ValueError:  # a line cut short: the summary goes on without the earlier launches
+        records = []
+    launches = sum(1 for r in records if r.get("kind") == "start")  # a resume keeps the earlier launches' records
+    adapter = adapter_target(state.output_dir / FINAL_EXPORT) if _adapted(loop) else None
+    return {
+        "wall_seconds": time.time() - psutil.Process().create_time(),
+        "train_seconds": totals.seconds, "train_steps": totals.steps, "warmup_seconds": totals.warmup_seconds,
+        "train_seconds_total": sum(r.get("train_seconds") or 0.0 for r in records if r.get("kind") == "train"),
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu(tokens_per_s, run.flops_per_token_at(state.knobs.seq_len), run.peak_tflops, state.world_size),
+        "tokens_seen": state.tokens_seen, "loss": train.get("loss"), "loss_steps": train.get("interval_steps"),
+        "eval_loss": evaluated.get("eval_loss"), "eval_ppl": evaluated.get("eval_ppl"),
+        "peak_memory_bytes": peak, "peak_memory_kind": "cuda_allocated" if loop.device.type == "cuda" else "cpu_rss",
+        "peak_rss_bytes": rss,
+        "device": loop.device.type, "launches": max(launches, 1), "first_step": totals.first_step,
+        "run_dir": str(state.output_dir), "checkpoint": str(state.last_checkpoint) if state.last_checkpoint else None,
+        "adapter": str(adapter) if adapter else None, "finetune": run.finetune.method if run.finetune else None,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -737,8 +786,8 @@ def _log_line(r: dict[str, Any]) -> str:
         parts.append(f"dropped {sum(r['dropped_fraction']) / len(r['dropped_fraction']):.3f}")
     if r["mod_skip_rate"]:
         parts.append(f"MoD skip {sum(r['mod_skip_rate']) / len(r['mod_skip_rate']):.2f}")
-    if r["memory"]:
-        parts.append(f"mem {r['memory']['peak_allocated_bytes'] / 2**30:.1f} GiB")
+    if peak_bytes(r) is not None:
+        parts.append(f"mem {peak_bytes(r) / 2**30:.1f} GiB")
     return " | ".join(parts)
 
 
