@@ -28,6 +28,7 @@ import contextlib
 import io
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -108,20 +109,91 @@ def checkpoint_classes() -> list[Any]:
     return [getattr(importlib.import_module(m), name) for m, name in CHECKPOINT_CLASSES] + numpy_rng
 
 
-def shm_comm_op_to_build() -> str | None:
-    """On a CPU, DeepSpeed's process-group init compiles its shared-memory comm op the first time on a machine
-    (`deepspeed.comm.torch.build_shm_op`, a torch JIT extension) and says nothing until it is built. The op's
-    name when that build is still to come (no compiled module in torch's extension folder), else None."""
-    import deepspeed
+# --- DeepSpeed's JIT-compiled ops -----------------------------------------------------------------
+
+# What compiling each op took on 2 CPU cores (measured here, 2026-12-07: ninja's own log of each build), said
+# before a build starts: DeepSpeed compiles them silently, inside the call that first needs one.
+OP_BUILD_TIMES = {"ShareMemCommBuilder": "about 30 s", "CPUAdamBuilder": "about 2 min",
+                  "AsyncIOBuilder": "about 5-15 min"}
+
+
+def pin_ninja() -> None:
+    """Put the `ninja` that DeepSpeed installs (the pip package, a DeepSpeed dependency) first on PATH, for this
+    process and the ones it starts. torch builds DeepSpeed's ops with the first `ninja` on PATH, and ninja 1.11
+    (Debian's ninja-build) and 1.13 (the pip package) hash a build's command lines differently: an op built by one
+    is "command line changed" to the other, so each switch between a PATH with the venv (`accelerate launch` from
+    an activated venv) and one without it (`.venv/bin/adaptive launch`, a Slurm job) recompiled every op, silently
+    (measured: the shm comm op, twice in a row, 30 s each here and 2.5 min on a loaded machine)."""
+    try:
+        import ninja
+    except ImportError:  # then whichever ninja the machine has is the only one
+        return
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != ninja.BIN_DIR:
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+
+
+def _op_builder(name: str) -> Any:
     from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().create_op_builder(name)
+
+
+def op_compiled(name: str) -> bool:
+    """DeepSpeed's op `name` (an op builder's class name) is compiled for this DeepSpeed in torch's extension folder
+    (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions/py<ver>_<cpu|cuXY>/<op>) and loading it compiles
+    nothing: its module is there, its build.ninja names this DeepSpeed's sources (the folder is one per Python and
+    CUDA, shared by every environment, and ninja rebuilds an op that another environment's DeepSpeed built), and
+    ninja (the one pin_ninja puts first) finds nothing to do."""
+    import subprocess
+
+    import deepspeed
     from torch.utils.cpp_extension import _get_build_directory
 
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-        return None
+    builder = _op_builder(name)
+    if builder is None:
+        return False
     folder = _get_build_directory(builder.NAME, verbose=False)
-    built = any(name.startswith(builder.NAME) and name.endswith(".so") for name in os.listdir(folder))
-    return None if built else builder.absolute_name()
+    ninja_file = os.path.join(folder, "build.ninja")
+    if not os.path.exists(ninja_file) or not any(n.startswith(builder.NAME) and n.endswith(".so")
+                                                 for n in os.listdir(folder)):
+        return False
+    with open(ninja_file, encoding="utf-8", errors="replace") as f:
+        if os.path.dirname(deepspeed.__file__) not in f.read():
+            return False
+    try:
+        dry = subprocess.run(["ninja", "-n", "-C", folder], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return True  # no ninja to ask: torch could not rebuild it either, it loads the module as it is
+    return dry.returncode == 0 and "no work to do" in dry.stdout
+
+
+def ops_a_run_loads(cfg: dict[str, Any], cpu: bool) -> list[str]:
+    """The JIT ops (builder class names) a run with DeepSpeed config `cfg` loads: the shm comm op on a CPU (its
+    process group), CPU Adam when the optimizer is offloaded (setup.build_optimizer's default there), async_io when
+    anything swaps to NVMe."""
+    zero = cfg.get("zero_optimization") or {}
+    offloaded = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+    return ((["ShareMemCommBuilder"] if cpu else []) + (["CPUAdamBuilder"] if offloaded else [])
+            + (["AsyncIOBuilder"] if nvme_offload(cfg) else []))
+
+
+def compile_ops(names: list[str], say: Callable[[str], None] | None) -> None:
+    """Load (compiling where needed) the ops `names`, each that still has to be compiled said before and after
+    with its time, through `say` (None on the ranks that keep quiet: torch holds a lock in the op's folder while
+    one process compiles it, so the others wait and load it)."""
+    for name in names:
+        builder = _op_builder(name)
+        if builder is None or not builder.is_compatible(verbose=False) or op_compiled(name):
+            continue
+        if say:
+            say(f"DeepSpeed compiles its {builder.NAME} op now, once per machine ({OP_BUILD_TIMES.get(name, 'minutes')}"
+                " on 2 CPU cores); later runs load it")
+        started = time.monotonic()
+        with contextlib.redirect_stdout(io.StringIO()):  # ninja's and DeepSpeed's own build chatter
+            builder.load(verbose=False)
+        if say:
+            say(f"DeepSpeed's {builder.NAME} op compiled in {time.monotonic() - started:.0f} s")
 
 
 def name_cpu_accelerator() -> bool:
@@ -176,23 +248,8 @@ def nvme_offload(cfg: dict[str, Any]) -> list[str]:
 
 
 def async_io_built() -> bool:
-    """DeepSpeed's async_io op is compiled for this DeepSpeed in torch's extension folder (TORCH_EXTENSIONS_DIR, by
-    default ~/.cache/torch_extensions/py<ver>_<cpu|cuXY>/async_io). The folder is one per Python and CUDA, not per
-    environment: its build.ninja names the DeepSpeed sources it was built from, and ninja rebuilds the op when another
-    environment's DeepSpeed loads it. So it counts as built only for the DeepSpeed whose path build.ninja names."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-    from torch.utils.cpp_extension import _get_build_directory
-
-    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
-    if builder is None:
-        return False
-    folder = _get_build_directory(builder.NAME, verbose=False)
-    ninja = os.path.join(folder, "build.ninja")
-    if not any(n.startswith(builder.NAME) and n.endswith(".so") for n in os.listdir(folder)) or not os.path.exists(ninja):
-        return False
-    with open(ninja, encoding="utf-8", errors="replace") as f:
-        return os.path.dirname(deepspeed.__file__) in f.read()
+    """DeepSpeed's async_io op is compiled for this DeepSpeed here (op_compiled)."""
+    return op_compiled("AsyncIOBuilder")
 
 
 def async_io_unavailable() -> str | None:
@@ -235,17 +292,6 @@ def nvme_refusal(cfg: dict[str, Any]) -> str | None:
         return None
     return (f"NVMe offload ({', '.join(sections)} on nvme) needs DeepSpeed's async_io op, which cannot run here: {why}"
             "; nothing was written (`adaptive fit` or the recipe's --dry-run plans it without running it)")
-
-
-def async_io_op_to_build(cfg: dict[str, Any]) -> str | None:
-    """The async_io op's name when `cfg` swaps to NVMe and the op is still to be compiled here (minutes, once per
-    environment; deepspeed.initialize does it silently), else None."""
-    if not nvme_offload(cfg) or async_io_built():
-        return None
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
-    return builder.absolute_name() if builder is not None else None
 
 
 # --- the engine ---------------------------------------------------------------------------------
@@ -479,7 +525,8 @@ def collective_failure(err: BaseException) -> bool:
 
 
 __all__ = ["A2A_TIMERS", "CHECKPOINT_CLASSES", "DEEPSPEED_VERSION_READ", "checkpoint_classes", "INTERNALS", "MOE_TIMER",
-           "async_io_built", "async_io_op_to_build", "async_io_unavailable", "collective_failure",
+           "async_io_built", "async_io_unavailable", "collective_failure", "compile_ops", "OP_BUILD_TIMES", "op_compiled",
+           "ops_a_run_loads", "pin_ninja",
            "discard_gradients", "expert_group_line", "expert_parallel_rank", "keep_fp32_clip_norm",
            "name_cpu_accelerator", "nvme_offload", "nvme_refusal", "prints_held",
            "shm_comm_op_built_line",

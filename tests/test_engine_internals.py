@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -62,16 +65,70 @@ def test_only_the_engine_module_touches_deepspeed_internals():
     assert not offenders, offenders
 
 
-def test_a_cpu_run_is_told_before_deepspeed_compiles_its_shm_comm_op(tmp_path, monkeypatch):
-    """The first CPU run on a machine compiles DeepSpeed's shm comm op silently; the run logs a line first."""
-    from adaptive.engine import shm_comm_op_to_build
+def test_ops_are_built_with_deepspeeds_ninja_whatever_path_the_launcher_gave():
+    """ninja 1.11 and 1.13 hash command lines differently, so ops built by one were rebuilt by the other whenever a
+    run's PATH changed between launchers; every training process puts the pip package's ninja first."""
+    import ninja
 
+    code = "from adaptive.engine import pin_ninja; import shutil; pin_ninja(); print(shutil.which('ninja'))"
+    for path in ("/usr/bin:/bin", f"{ninja.BIN_DIR}:/usr/bin:/bin"):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PATH": path})
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == os.path.join(ninja.BIN_DIR, "ninja")
+        assert done.stdout.count(ninja.BIN_DIR) == 1
+
+
+def test_an_op_counts_as_compiled_only_when_ninja_has_nothing_to_do(tmp_path, monkeypatch):
+    """What decides whether a run says "DeepSpeed compiles ... now": the module, this DeepSpeed's sources named in
+    build.ninja, and ninja's own dry run (a changed command line rebuilds)."""
+    import deepspeed
+
+    from adaptive.engine import op_compiled, pin_ninja
+
+    pin_ninja()
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    assert shm_comm_op_to_build() == "deepspeed.ops.comm.deepspeed_shm_comm_op"
-    folders = list(tmp_path.rglob("deepspeed_shm_comm"))
-    assert len(folders) == 1  # torch's build folder for the op, where the compiled module lands
-    (folders[0] / "deepspeed_shm_comm.so").write_bytes(b"")
-    assert shm_comm_op_to_build() is None
+    assert not op_compiled("ShareMemCommBuilder")
+    folder, = tmp_path.rglob("deepspeed_shm_comm")  # torch's build folder for the op, made by the look-up
+    (folder / "shm.cpp").write_text("// source\n")
+
+    def build_file(command: str, sources: str) -> None:
+        (folder / "build.ninja").write_text(f"# {sources}\nrule link\n  command = {command}\n"
+                                            "build deepspeed_shm_comm.so: link shm.cpp\n")
+
+    build_file("cp $in $out", os.path.dirname(deepspeed.__file__))
+    assert subprocess.run(["ninja", "-C", str(folder)], capture_output=True).returncode == 0
+    assert op_compiled("ShareMemCommBuilder")
+    build_file("cp -p $in $out", os.path.dirname(deepspeed.__file__))  # ninja: "command line changed"
+    assert not op_compiled("ShareMemCommBuilder")
+    build_file("cp $in $out", "/another/venv/site-packages/deepspeed")  # another environment's DeepSpeed
+    assert not op_compiled("ShareMemCommBuilder")
+
+
+def test_which_ops_a_run_loads_follows_its_config():
+    from adaptive.engine import ops_a_run_loads
+
+    assert ops_a_run_loads({}, cpu=True) == ["ShareMemCommBuilder"]
+    offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert ops_a_run_loads(offload, cpu=False) == ["CPUAdamBuilder"]
+    nvme = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"},
+                                  "offload_param": {"device": "nvme"}}}
+    assert ops_a_run_loads(nvme, cpu=True) == ["ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder"]
+
+
+@pytest.mark.slow  # compiles the shm comm op into an empty extension folder (about 30 s on 2 cores)
+def test_an_op_build_is_said_before_it_starts_and_timed(tmp_path, monkeypatch):
+    from adaptive.engine import compile_ops, pin_ninja
+
+    pin_ninja()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    said: list[str] = []
+    compile_ops(["ShareMemCommBuilder"], said.append)
+    assert len(said) == 2, said
+    assert said[0].startswith("DeepSpeed compiles its deepspeed_shm_comm op now, once per machine (about 30 s")
+    assert re.fullmatch(r"DeepSpeed's deepspeed_shm_comm op compiled in \d+ s", said[1]), said
+    compile_ops(["ShareMemCommBuilder"], said.append)  # compiled: nothing to say
+    assert len(said) == 2
 
 
 def test_the_lines_deepspeed_prints_are_the_ones_held_back():

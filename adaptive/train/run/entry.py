@@ -56,15 +56,15 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
     world = World(partial.num_processes, min(launcher_world().per_node, partial.num_processes))
     plan = plan_run(config, preset, arch, world, detect_device(config.hardware.gpu))
     check_with_deepspeed(plan.ds_config, world.size)  # a config DeepSpeed refuses: one line, nothing written
-    if partial.is_main_process:
-        from accelerate.logging import get_logger
+    # the ops this config loads (CPU Adam, async_io), compiled now where they must be, said before and after:
+    # DeepSpeed compiles them silently inside deepspeed.initialize. Every rank loads them (one compiles, under
+    # torch's lock in the op's folder, the others wait for it there rather than at a collective's timeout).
+    from accelerate.logging import get_logger
 
-        from adaptive.engine import async_io_op_to_build
+    from adaptive.engine import compile_ops, ops_a_run_loads
 
-        op = async_io_op_to_build(plan.ds_config)  # ZeRO-3 builds it silently, inside the model's construction
-        if op:
-            get_logger(__name__).warning("DeepSpeed compiles %s now for NVMe offload, once per environment (about "
-                                         "7-15 min on 2 cores); later runs reuse it", op)
+    compile_ops(ops_a_run_loads(plan.ds_config, cpu=False), get_logger(__name__).warning
+                if partial.is_main_process else None)
     lock, resume_from = claim_run_folder(partial, output_dir, mode.resume, mode.overwrite)
     try:
         return _train(config, preset, arch, callbacks, plugins, partial, plan, world, output_dir, resume_from,

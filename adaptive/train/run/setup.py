@@ -9,7 +9,6 @@ hidden-size "auto" values.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import os
@@ -65,8 +64,9 @@ def init_distributed(collective_timeout: float | None = None) -> Any:
 
     from accelerate import PartialState
 
-    from adaptive.engine import prints_held, shm_comm_op_built_line, shm_comm_op_to_build
+    from adaptive.engine import compile_ops, pin_ninja, prints_held, shm_comm_op_built_line
 
+    pin_ninja()
     ensure_process_group_env()
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     # DeepSpeed's ZeRO gathers and ZeRO-3's gradient reduce-scatter (deepspeed/comm/torch.py) call them, deprecated
@@ -77,12 +77,12 @@ def init_distributed(collective_timeout: float | None = None) -> Any:
     restart_scoped_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout.get("timeout"))
     if torch.cuda.is_available():
         return PartialState(**timeout)
-    op = shm_comm_op_to_build()
-    if op and os.environ["RANK"] == "0":  # a silent minute or two otherwise; plain logging: accelerate's needs
-        logging.getLogger(__name__).warning(  # the state made below
-            "DeepSpeed compiles %s now, once per machine (about 35 s on 2 cores); later runs reuse it", op)
-    # DeepSpeed prints that it built the op when it only loaded the compiled one: news only when it was built
-    with contextlib.nullcontext() if op else prints_held(shm_comm_op_built_line):
+    # compiled here, said first, where DeepSpeed's process-group init would compile it silently; plain logging:
+    # accelerate's needs the state made below
+    say = logging.getLogger(__name__).warning if os.environ["RANK"] == "0" else None
+    compile_ops(["ShareMemCommBuilder"], say)
+    # DeepSpeed prints that it built the op when it only loaded the compiled one
+    with prints_held(shm_comm_op_built_line):
         # Without CUDA, accelerate picks no backend for DeepSpeed and then counts one process per rank;
         # naming gloo makes it read the world from the process group DeepSpeed initialises.
         return PartialState(backend="gloo", **timeout)
@@ -145,11 +145,14 @@ def quiet_libraries(is_main: bool) -> None:
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its save/load chatter; ours says it once
     # bitsandbytes' CPU path tries a hub kernel first and falls back to its own: offline, a warning per run
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # ... and its `kernels` look-up says, offline, that it skipped the hub's publisher check (transformers' LR
+    # schedules import PEFT, which imports bitsandbytes, in every run)
+    logging.getLogger("kernels").setLevel(logging.ERROR)
     # PEFT 0.21 (peft_model.py) calls transformers' deprecated `is_gradient_checkpointing`: not the user's to fix
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     transformers.logging.set_verbosity_warning()
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars: the run logs what it loaded
     if not is_main or not interactive():
-        transformers.utils.logging.disable_progress_bar()
         datasets.disable_progress_bars()
         datasets.logging.set_verbosity_error()
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from adaptive.engine import async_io_built, async_io_op_to_build, async_io_unavailable, nvme_offload, nvme_refusal
+from adaptive.engine import async_io_built, async_io_unavailable, nvme_offload, nvme_refusal, ops_a_run_loads
 
 NVME = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"},
                               "offload_param": {"device": "nvme", "nvme_path": "/x"}}}
@@ -55,15 +55,15 @@ def test_a_compiled_op_counts_for_the_deepspeed_its_build_file_names(no_compiled
     import deepspeed
 
     assert not async_io_built()
-    assert async_io_op_to_build(NVME) == "deepspeed.ops.aio.async_io_op"
-    assert async_io_op_to_build(CPU_OFFLOAD) is None
+    assert "AsyncIOBuilder" in ops_a_run_loads(NVME, cpu=True)
+    assert "AsyncIOBuilder" not in ops_a_run_loads(CPU_OFFLOAD, cpu=True)
     folder = no_compiled_ops / "async_io"  # torch's build folder of the op (created by the look-up)
     assert folder.is_dir()
     (folder / "async_io.so").write_bytes(b"")
     (folder / "build.ninja").write_text("cflags = -I/another/venv/site-packages/deepspeed/ops/csrc/aio/py_lib\n")
     assert not async_io_built()  # another environment's: ninja rebuilds it here
     (folder / "build.ninja").write_text(f"cflags = -I{os.path.dirname(deepspeed.__file__)}/ops/csrc/aio/py_lib\n")
-    assert async_io_built() and async_io_op_to_build(NVME) is None
+    assert async_io_built()
 
 
 def test_a_compiled_op_runs_without_libaios_headers(no_libaio):
