@@ -1,6 +1,6 @@
 """What each command needs beyond the planner, and the one line that says how to install it.
 
-`pip install .` (README, "Install") is the planner (`fit`, `compare`, `models`, `gpus`, `launch --dry-run
+`pip install .` (docs/install.md) is the planner (`fit`, `compare`, `models`, `gpus`, `launch --dry-run
 --gpu ...`); measuring, training, exporting and drawing need the `train` extra (pyproject.toml), with
 torch installed first so DeepSpeed does not pull a build for the wrong CUDA. A command checks its
 modules with `require` before importing any of them, so a planner-only install gets one line and exit
@@ -14,7 +14,7 @@ import sys
 
 from adaptive.errors import AdaptiveError
 
-# README's install table in one line: torch first (the CPU build here; PyPI's Linux wheel is a CUDA build), then
+# docs/install.md's install table in one line: torch first (the CPU build here; PyPI's Linux wheel is a CUDA build), then
 # the extras from the checkout
 TRAIN_INSTALL = ('pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu (on a GPU machine: '
                  'the CUDA build pytorch.org gives), then pip install ".[train]" in the adaptive checkout')

@@ -6,7 +6,7 @@ b1: ~1B parameters. dense: a dense decoder.
     adaptive launch recipes/b1_dense.py --gpu h100 --gpus 8 --nodes 2 --hostfile hosts
     python recipes/b1_dense.py --dry-run --gpu a100-80gb --gpus 8   # the plan, no training
 
-Flags: `python recipes/b1_dense.py --help` and README.md, section Training.
+Flags: `python recipes/b1_dense.py --help` and docs/training.md (Recipe flags).
 """
 
 from adaptive.recipe import Recipe

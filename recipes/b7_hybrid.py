@@ -7,7 +7,7 @@ block, every other block MoD-routed.
     adaptive launch recipes/b7_hybrid.py --gpu h100 --gpus 8 --nodes 2 --hostfile hosts
     python recipes/b7_hybrid.py --dry-run --gpu a100-80gb --gpus 8   # the plan, no training
 
-Flags: `python recipes/b7_hybrid.py --help` and README.md, section Training.
+Flags: `python recipes/b7_hybrid.py --help` and docs/training.md (Recipe flags).
 """
 
 from adaptive.recipe import Recipe

@@ -7,7 +7,7 @@ b7: ~7B parameters (Mistral-7B's shape). moe: Mixture-of-Experts,
     adaptive launch recipes/b7_moe.py --gpu h100 --gpus 8 --nodes 2 --hostfile hosts
     python recipes/b7_moe.py --dry-run --gpu a100-80gb --gpus 8   # the plan, no training
 
-Flags: `python recipes/b7_moe.py --help` and README.md, section Training.
+Flags: `python recipes/b7_moe.py --help` and docs/training.md (Recipe flags).
 """
 
 from adaptive.recipe import Recipe

@@ -7,7 +7,7 @@ every other block routed at capacity 0.5.
     adaptive launch recipes/debug_200m_mod.py --gpu h100 --gpus 8 --nodes 2 --hostfile hosts
     python recipes/debug_200m_mod.py --dry-run --gpu a100-80gb --gpus 8   # the plan, no training
 
-Flags: `python recipes/debug_200m_mod.py --help` and README.md, section Training.
+Flags: `python recipes/debug_200m_mod.py --help` and docs/training.md (Recipe flags).
 """
 
 from adaptive.recipe import Recipe

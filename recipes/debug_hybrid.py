@@ -7,7 +7,7 @@ block, every other block MoD-routed.
     accelerate launch --use_deepspeed --num_processes 8 recipes/debug_hybrid.py   # a GPU box
     python recipes/debug_hybrid.py --dry-run --gpu a100-80gb --gpus 8   # the plan, no training
 
-Flags: `python recipes/debug_hybrid.py --help` and README.md, section Training.
+Flags: `python recipes/debug_hybrid.py --help` and docs/training.md (Recipe flags).
 """
 
 from adaptive.recipe import Recipe

@@ -7,7 +7,7 @@ every other block routed at capacity 0.5.
     accelerate launch --use_deepspeed --num_processes 8 recipes/debug_mod.py   # a GPU box
     python recipes/debug_mod.py --dry-run --gpu a100-80gb --gpus 8   # the plan, no training
 
-Flags: `python recipes/debug_mod.py --help` and README.md, section Training.
+Flags: `python recipes/debug_mod.py --help` and docs/training.md (Recipe flags).
 """
 
 from adaptive.recipe import Recipe

@@ -7,7 +7,7 @@ debug: ~0.5M parameters, trains on a CPU in seconds. moe: Mixture-of-Experts,
     accelerate launch --use_deepspeed --num_processes 8 recipes/debug_moe.py   # a GPU box
     python recipes/debug_moe.py --dry-run --gpu a100-80gb --gpus 8   # the plan, no training
 
-Flags: `python recipes/debug_moe.py --help` and README.md, section Training.
+Flags: `python recipes/debug_moe.py --help` and docs/training.md (Recipe flags).
 """
 
 from adaptive.recipe import Recipe

@@ -8,7 +8,7 @@ loss on the answers only; RUN/adapter/ (PEFT) and RUN/hf/ (the merged model) at 
     accelerate launch --use_deepspeed recipes/finetune.py --init-from Meta-Llama-3-8B --finetune qlora --dataset chat.jsonl
     python recipes/finetune.py --init-from Meta-Llama-3-8B --dataset chat.jsonl --dry-run --gpu rtx4090
 
-Flags: `python recipes/finetune.py --help` and README.md, section "Fine-tune a model you downloaded".
+Flags: `python recipes/finetune.py --help` and docs/finetune.md (README.md's "Fine-tune a model you downloaded" in short).
 """
 
 from adaptive.recipe import Recipe

@@ -1,4 +1,4 @@
-"""README's "planner only" install row in a real virtual environment: a fresh venv that can import the planner's
+"""docs/install.md's "planner only" install row in a real virtual environment: a fresh venv that can import the planner's
 dependencies and nothing else (no torch), as `pip install .` would leave it, built without the network.
 
 The venv is made by `python -m venv --without-pip`; a .pth file in it points at a folder of symlinks to exactly
