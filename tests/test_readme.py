@@ -100,6 +100,26 @@ def section(text: str, title: str) -> str:
     raise AssertionError(f"no section {title!r}")
 
 
+def slug(heading: str) -> str:
+    """The #anchor GitHub and mkdocs give a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_readmes_links_resolve_on_github():
+    """mkdocs checks the links between docs pages; the README's into docs/ and to its own sections are checked here."""
+    headings = {page: {slug(line.lstrip("#")) for code, line in prose_lines(page_text(page))
+                       if not code and line.startswith("#")} for page in ["README.md", *pages(), *HISTORY]}
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", readme_text()):
+        if target.startswith("http"):
+            continue
+        file, _, anchor = target.partition("#")
+        file = file or "README.md"
+        if not (REPO_ROOT / file).exists() or (anchor and anchor not in headings.get(file, set())):
+            broken.append(target)
+    assert not broken, f"README links that do not resolve: {broken}"
+
+
 # --- the samples: what the commands print ----------------------------------------------------------------------------
 
 SAMPLE_BLOCK = re.compile(r"```console\n\$ (adaptive [^\n]*)\n(.*?)\n```", flags=re.S)
