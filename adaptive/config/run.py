@@ -526,7 +526,8 @@ UNITS: dict[str, tuple[dict[str, float], str, str]] = {  # unit -> (suffix -> mu
     "gib": ({"MB": 1e6 / 2**30, "GB": 1e9 / 2**30, "TB": 1e12 / 2**30, "MiB": 2**-10, "GiB": 1, "TiB": 2**10},
             "GiB: a number or one with GB, TB (1e9, 1e12 bytes), MiB, GiB or TiB", "256GiB"),
 }
-_QUANTITY = re.compile(r"\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*")
+# nan and inf parse, for check() to say they are not finite
+_QUANTITY = re.compile(r"\s*([+-]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?|(?i:nan|inf)))\s*([A-Za-z]*)\s*")
 
 
 def quantity(flag: Flag, text: str, integer: bool = False) -> float | int:

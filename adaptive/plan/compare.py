@@ -12,12 +12,12 @@ from adaptive.plan.request import make_request
 @dataclass(frozen=True)
 class Row:
     plan: Plan
-    best_quality: bool = False  # lowest predicted final loss among rows that fit
+    best_quality: bool = False  # lowest predicted final loss among rows that fit (the same model on other GPUs too)
     best_speed: bool = False  # most tokens/s among rows that fit
     best_cost: bool = False  # lowest cost per 1B tokens among rows that fit
     cheapest: bool = False  # lowest cost of the whole run among rows that fit
     best_value: bool = False  # most loss reduction per extra dollar over the cheapest run (best_value())
-    quality_tie: LossComparison | None = None  # against the lowest predicted loss, when the law cannot split them
+    quality_tie: LossComparison | None = None  # another model against the lowest loss, when the law cannot split them
 
 
 def compare(models: list[str], archs: list[str], gpu_names: list[str], **request_kwargs) -> list[Row]:
@@ -30,17 +30,24 @@ def compare(models: list[str], archs: list[str], gpu_names: list[str], **request
     cost = min(fitting, key=lambda p: p.cost / p.train_tokens, default=None)
     cheapest = min(fitting, key=lambda p: p.cost, default=None)
     value = best_value(predicted)
-    return [Row(p, p is quality, p is speed, p is cost, p is cheapest, p is value, quality_tie(p, quality))
-            for p in plans]
+    return [Row(p, quality is not None and same_run(p, quality) and p.fits, p is speed, p is cost, p is cheapest,
+                p is value, quality_tie(p, quality)) for p in plans]
 
 
 def label(plan: Plan) -> str:
-    return f"{plan.request.spec.name} {plan.request.spec.arch} on {plan.request.gpu.name}"
+    """The model a loss belongs to: the GPUs train the same loss from the same model and tokens."""
+    return f"{plan.request.spec.name} {plan.request.spec.arch}"
+
+
+def same_run(a: Plan, b: Plan) -> bool:
+    """The same model trained on the same tokens, whatever the GPUs: the same predicted loss."""
+    return a.request.spec == b.request.spec and a.train_tokens == b.train_tokens
 
 
 def quality_tie(plan: Plan, best: Plan | None) -> LossComparison | None:
-    """`plan` against the lowest predicted loss, when the law calls the pair a tie (ranking.py); else None."""
-    if best is None or plan is best or not plan.fits:
+    """Another model against the one with the lowest predicted loss, when the law calls the pair a tie (ranking.py);
+    else None. The best model on other GPUs is no tie: it is the same loss (its row is best_quality too)."""
+    if best is None or not plan.fits or same_run(plan, best):
         return None
     verdict = compare_quality(label(best), best.quality, label(plan), plan.quality)
     return verdict if verdict.tie else None

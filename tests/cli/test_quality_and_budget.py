@@ -120,7 +120,7 @@ def test_compare_and_the_budget_search_call_a_tie_under_a_joint_law(tmp_path, mo
     assert (dense_row["quality_tie"] is not None) is tie
     shown = adaptive("compare", "--model", "b1", "--arch", "dense,moe", "--gpu", "h100-80gb", "--tokens", "20e9",
                      "--loss-law", law).stdout
-    assert ("loss (tie): b1 moe on h100-80gb and b1 dense on h100-80gb tie" in shown) is tie
+    assert ("loss (tie): b1 moe and b1 dense tie" in shown) is tie
     fit = json.loads(adaptive("fit", "--model", "b1", "--arch", "moe", "--gpu", "h100-80gb", "--loss-law", law,
                               "--json").stdout)["quality"]
     assert any(("a tie with dense" if tie else "separated from dense") in n for n in fit["notes"])
