@@ -9,7 +9,9 @@ Serving stacks and tools (vLLM, llama.cpp converters, lm-evaluation-harness) kno
   (the orchestrator's aux-loss-free balancing: Mixtral has no place for it), an eval capacity that drops
   tokens, Gumbel sampling of the second expert, and top-1 (DeepSpeed's top-1 weight is the gate
   probability; Mixtral renormalises it to 1).
-- MoD and hybrid models, and anything above that is not representable, stay `adaptive`.
+- MoD and hybrid models, and anything above that is not representable, stay `adaptive`. Such an export
+  carries its modeling code and `auto_map` (`write_remote_code`, below): it loads with
+  `trust_remote_code=True` where adaptive is not installed.
 
 `choose_format` says which format and why; `export_pretrained` writes it. Our native MoE layout is Mixtral's
 (`gate.weight`, 3D `experts.gate_up_proj [E, 2I, H]` / `experts.down_proj [E, H, I]`), so the weights map
@@ -18,6 +20,9 @@ one to one; a DeepSpeed-MoE model is converted to that layout first.
 
 from __future__ import annotations
 
+import ast
+import importlib
+import json
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -138,6 +143,7 @@ def export_pretrained(model, target: str | Path, requested: str = "auto", state_
         return chosen
     if chosen.format == "adaptive":
         model.save_pretrained(target, state_dict=state_dict)
+        write_remote_code(target)  # loads with trust_remote_code=True where adaptive is not installed
         return chosen
     from transformers import LlamaForCausalLM, MixtralForCausalLM
 
@@ -161,5 +167,113 @@ def export_pretrained(model, target: str | Path, requested: str = "auto", state_
     return chosen
 
 
-__all__ = ["FORMATS", "ExportFormat", "choose_format", "export_pretrained", "llama_config", "mixtral_config",
-           "mixtral_state_dict"]
+# ---------------------------------------------------------------------------------------------
+# The modeling code an `adaptive`-format export carries, so that it loads without adaptive installed.
+#
+# transformers' convention for a model class it does not ship: config.json names the classes in `auto_map`
+# ("file.Class"), the folder holds those files, and `AutoModelForCausalLM.from_pretrained(path,
+# trust_remote_code=True)` imports them as a package of its own (transformers/dynamic_module_utils.py). That
+# loader copies a file's *relative* imports (`from .x import y`, x.py beside it, one level) and checks that
+# every absolute import of the named files is installed; an absolute `adaptive.*` import would fail there.
+#
+# `write_remote_code` writes the closure of `configuration_adaptive` and `modeling_adaptive` over their imports
+# of `adaptive.*` modules (mod, moe, lean, grouped, and the pure plan modules they read: errors, record, block
+# types, presets, losses), each as one flat file whose `from adaptive.<...>.x import` lines now read
+# `from .x import`. They are copies of the running package's source, so an export loads with the code that
+# wrote it. The package's own imports of DeepSpeed MoE go by name (`modeling_adaptive._moe_deepspeed`), which
+# an export never reaches: its config says moe_implementation "native".
+
+# the classes transformers' Auto classes find in an export's files (transformers' auto_map keys)
+AUTO_MAP = {
+    "AutoConfig": "configuration_adaptive.AdaptiveConfig",
+    "AutoModel": "modeling_adaptive.AdaptiveModel",
+    "AutoModelForCausalLM": "modeling_adaptive.AdaptiveForCausalLM",
+}
+_ENTRY = ("adaptive.models.configuration_adaptive", "adaptive.models.modeling_adaptive")
+_FROM_ADAPTIVE = re.compile(r"^(\s*)from\s+(adaptive(?:\.\w+)*)\s+import\b")
+_RELATIVE = re.compile(r"^\s*from\s+\.(\w+)\s+import", re.MULTILINE)  # as transformers' get_relative_imports
+
+
+def _adaptive_imports(tree: ast.Module) -> list[ast.ImportFrom]:
+    """Every `from adaptive... import` of a module, at any depth; `import adaptive...` is refused (it cannot be
+    made relative in one flat folder)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "adaptive" for a in node.names):
+            raise AssertionError(f"line {node.lineno}: `import adaptive...`; use `from adaptive.x import y`")
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "adaptive":
+            if node.module == "adaptive":
+                raise AssertionError(f"line {node.lineno}: `from adaptive import ...`; import from its module")
+            found.append(node)
+    return found
+
+
+def code_files() -> dict[str, str]:
+    """File name -> source, for every module the export's classes import: relative imports among themselves,
+    nothing of adaptive's absolute."""
+    sources: dict[str, str] = {}
+    owner: dict[str, str] = {}  # flat file name -> the module it holds: two modules may not share a name
+    todo = list(_ENTRY)
+    while todo:
+        module = todo.pop()
+        name = module.rsplit(".", 1)[-1] + ".py"
+        if owner.setdefault(name, module) != module:
+            raise AssertionError(f"{module} and {owner[name]} would both be {name} in an export")
+        if name in sources:
+            continue
+        source = Path(importlib.import_module(module).__file__).read_text(encoding="utf-8")
+        lines = source.splitlines(keepends=True)
+        for node in _adaptive_imports(ast.parse(source)):
+            todo.append(node.module)
+            line = lines[node.lineno - 1]
+            match = _FROM_ADAPTIVE.match(line)
+            if match is None or match.group(2) != node.module:
+                raise AssertionError(f"{module} line {node.lineno}: the import of {node.module} is not on one line")
+            lines[node.lineno - 1] = f"{match.group(1)}from .{node.module.rsplit('.', 1)[-1]} import" + \
+                line[match.end():]
+        sources[name] = "".join(lines)
+    return dict(sorted(sources.items()))
+
+
+def write_remote_code(folder: str | Path) -> list[str]:
+    """Write the modeling files into `folder` (a saved adaptive model) and name its classes in config.json's
+    `auto_map`. Returns the file names written."""
+    folder = Path(folder)
+    files = code_files()
+    for name, source in files.items():
+        (folder / name).write_text(source, encoding="utf-8")
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["auto_map"] = dict(AUTO_MAP)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return list(files)
+
+
+def has_remote_code(folder: str | Path) -> bool:
+    """`folder`'s config names our classes in auto_map, and it holds their files and every file those import
+    relatively (what transformers' loader copies)."""
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    auto_map = config.get("auto_map") or {}
+    if any(auto_map.get(key) != value for key, value in AUTO_MAP.items()):
+        return False
+    todo, seen = [value.split(".")[0] for value in AUTO_MAP.values()], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            source = (folder / f"{name}.py").read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            return False
+        todo += _RELATIVE.findall(source)
+    return True
+
+
+__all__ = ["AUTO_MAP", "FORMATS", "ExportFormat", "choose_format", "export_pretrained", "llama_config", "mixtral_config",
+           "mixtral_state_dict",
+           "code_files", "has_remote_code", "write_remote_code"]

@@ -40,7 +40,7 @@ from adaptive.models.grouped import (
     experts_matmul_sum,
     experts_weight_grad,
 )
-from adaptive.plan.estimate.activations import loss_chunk_tokens
+from adaptive.plan.estimate.losses import loss_chunk_tokens
 
 IGNORE_INDEX = -100  # transformers' ignore index for labels
 

@@ -6,6 +6,7 @@ PreTrainedModel, model, ForCausalLM.
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -234,12 +235,10 @@ def build_mlp(config: AdaptiveConfig, layer_type: str) -> nn.Module:
         noisy_gate_policy=config.noisy_gate_policy, top2_2nd_expert_sampling=config.top2_2nd_expert_sampling,
     )
     if config.moe_implementation == "deepspeed":
-        from adaptive.models.moe_deepspeed import DeepSpeedMoE  # imports deepspeed: only on demand
-
         # lean as the native grouped experts: both implementations hold the same bytes
         expert = AdaptiveMLP(config.hidden_size, config.moe_intermediate_size, config.mlp_bias, config.hidden_act, lean)
-        return DeepSpeedMoE(config.hidden_size, expert, config.num_local_experts, config.num_experts_per_tok,
-                            config.ep_size, **knobs)
+        return _moe_deepspeed().DeepSpeedMoE(config.hidden_size, expert, config.num_local_experts,
+                                             config.num_experts_per_tok, config.ep_size, **knobs)
     return NativeMoE(config.hidden_size, config.moe_intermediate_size, config.num_local_experts,
                      config.num_experts_per_tok, **knobs, bias=config.mlp_bias, act=config.hidden_act,
                      lean=lean)
@@ -487,9 +486,7 @@ class AdaptivePreTrainedModel(PreTrainedModel):
         or it initialises a single-process group), inside AutoTP's mesh for `tp_size` > 1. Idempotent;
         deepspeed.initialize also does it."""
         if self.config.moe_implementation == "deepspeed" and self.config.moe_layers:
-            from adaptive.models.moe_deepspeed import ensure_expert_parallel
-
-            ensure_expert_parallel(self, tp_size)
+            _moe_deepspeed().ensure_expert_parallel(self, tp_size)
         self._expert_parallel_ready = True
 
     def load_global_state_dict(self, state_dict: dict, strict: bool = True):
@@ -497,12 +494,11 @@ class AdaptivePreTrainedModel(PreTrainedModel):
         experts only."""
         state_dict = self._own_moe_layout(state_dict)
         if self.config.ep_size > 1 and self.config.moe_layers:
-            from adaptive.models.moe_deepspeed import expert_parallel_rank, localize_expert_state_dict
-
+            ds = _moe_deepspeed()
             self.setup_expert_parallel()
-            rank = expert_parallel_rank(self.config.ep_size)
-            state_dict = localize_expert_state_dict(state_dict, self.config.num_local_experts,
-                                                    self.config.ep_size, rank)
+            rank = ds.expert_parallel_rank(self.config.ep_size)
+            state_dict = ds.localize_expert_state_dict(state_dict, self.config.num_local_experts,
+                                                       self.config.ep_size, rank)
         return self.load_state_dict(state_dict, strict=strict)
 
     def _own_moe_layout(self, state_dict: dict) -> dict:
@@ -515,9 +511,7 @@ class AdaptivePreTrainedModel(PreTrainedModel):
     def global_state_dict(self) -> dict:
         """The full state dict with global expert ids; a collective under expert parallelism."""
         if self.config.ep_size > 1 and self.config.moe_layers:
-            from adaptive.models.moe_deepspeed import globalize_expert_state_dict
-
-            return globalize_expert_state_dict(self)
+            return _moe_deepspeed().globalize_expert_state_dict(self)
         return self.state_dict()
 
     @classmethod
@@ -552,6 +546,13 @@ class AdaptivePreTrainedModel(PreTrainedModel):
             return super().save_pretrained(save_directory, *args, **kwargs)
         finally:
             config.moe_implementation, config.ep_size = running
+
+
+def _moe_deepspeed():
+    """adaptive.models.moe_deepspeed, imported on demand: it imports DeepSpeed. By name, so that the copy of this
+    file an adaptive export carries (export.write_remote_code) imports only torch, transformers and its sibling
+    files; an export's config says moe_implementation "native", so that copy never asks for it."""
+    return importlib.import_module("adaptive.models.moe_deepspeed")
 
 
 def _is_deepspeed_moe(module: nn.Module) -> bool:
@@ -590,11 +591,10 @@ def _load_moe_weights(model: AdaptivePreTrainedModel, path: str) -> None:
         return  # same layout: transformers' loader has filled every MoE weight already
     state = model._own_moe_layout({key: h.get_tensor(key) for key, h in on_disk.items()})
     if model.config.ep_size > 1:
-        from adaptive.models.moe_deepspeed import expert_parallel_rank, localize_expert_state_dict
-
+        ds = _moe_deepspeed()
         model.setup_expert_parallel()
-        state = localize_expert_state_dict(state, model.config.num_local_experts, model.config.ep_size,
-                                           expert_parallel_rank(model.config.ep_size))
+        state = ds.localize_expert_state_dict(state, model.config.num_local_experts, model.config.ep_size,
+                                              ds.expert_parallel_rank(model.config.ep_size))
     filled = set()
     with torch.no_grad():
         for key, value in state.items():
@@ -647,10 +647,8 @@ class AdaptiveModel(AdaptivePreTrainedModel):
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             use_cache = False  # the checkpointed layers drop the cache anyway
         if config.moe_implementation == "deepspeed" and config.moe_layers and not self._expert_groups_ready():
-            from adaptive.models.moe_deepspeed import groups_missing
-
             # one process at ep_size 1 runs without groups; several need setup's collective first, on every rank
-            missing = groups_missing(config.ep_size)
+            missing = _moe_deepspeed().groups_missing(config.ep_size)
             if missing:
                 raise AdaptiveError(missing)
         if inputs_embeds is None:

@@ -28,12 +28,11 @@ from adaptive.plan.architecture.families import family_of
 from adaptive.plan.architecture.presets import ModelSpec
 from adaptive.plan.estimate.hf_blocks import (FINAL_NORM_BACKWARD, head_flow, layer_backward_moments, layer_flow,
                                               transformers_class)
-from adaptive.plan.estimate.losses import LossImpl, loss_impl
+from adaptive.plan.estimate.losses import LossImpl, loss_chunk_tokens, loss_impl
 from adaptive.plan.finetune.method import Finetune
 
 MIN_CAPACITY = 4  # DeepSpeed's and our MoE gate's default floor on expert capacity
 KERNELS = ("lean", "plain")  # lean: adaptive/models/lean.py's blocks; plain: transformers' Llama-style ops
-LOSS_CHUNK_ELEMENTS = 2**24  # logits per tile of the lean loss: 16M (fp32: 64 MiB), a tile fills a GPU
 
 
 # Activation checkpointing (torchtitan's choices): "off"; "full" (every block keeps only its input);
@@ -52,11 +51,6 @@ def parse_checkpoint_policy(policy: str) -> tuple[str, int]:
         n = int(policy[6:])
         return ("full", 1) if n == 1 else ("every", n)
     raise ValueError(f"checkpointing policy must be off, full, mlp or every:N (N >= 1), got {policy!r}")
-
-
-def loss_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per tile of the lean chunked cross-entropy (adaptive/models/lean.py uses this too)."""
-    return max(1, LOSS_CHUNK_ELEMENTS // vocab_size)
 
 
 def norm_bytes(h: int, kernels: str = "lean") -> int:

@@ -8,6 +8,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+LOSS_CHUNK_ELEMENTS = 2**24  # logits per tile of the lean loss: 16M (fp32: 64 MiB), a tile fills a GPU
+
+
+def loss_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per tile of the lean chunked cross-entropy. adaptive/models/lean.py computes with it, and an
+    adaptive export carries a copy of this file with its modeling code (adaptive/models/export.py, write_remote_code)."""
+    return max(1, LOSS_CHUNK_ELEMENTS // vocab_size)
+
 
 @dataclass(frozen=True)
 class LossImpl:
@@ -65,4 +73,4 @@ def loss_impl(loss: str | None) -> LossImpl | None:
     return None if loss in (None, DEFAULT_LOSS) else LOSSES[loss]
 
 
-__all__ = ["DEFAULT_LOSS", "LOSSES", "LossImpl", "loss_impl"]
+__all__ = ["DEFAULT_LOSS", "LOSSES", "LOSS_CHUNK_ELEMENTS", "LossImpl", "loss_chunk_tokens", "loss_impl"]
