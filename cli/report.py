@@ -1,5 +1,6 @@
-"""`adaptive report RUN_DIR`: one PNG of a run (loss, expert load, MaxVio, drops, MoD skip, the
-orchestrator's decisions) and a short summary table, from its metrics.jsonl and events.jsonl."""
+"""`adaptive report RUN_DIR`: one PNG of a run (loss, throughput, memory; expert load, MaxVio, drops, MoD skip and the
+orchestrator's decisions where the run has them) and a short summary table (wall time, tokens/s, peak memory, loss,
+...), from its metrics.jsonl and events.jsonl."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def report(run_dir: RunDir, out: Out = None) -> None:
     from rich.table import Table
 
     from adaptive.orchestrator.report import write_report  # matplotlib is imported inside, on use
+    from adaptive.train.reporting.summary import MEMORY_LABELS, duration, gib
 
     path, s, _ = write_report(run_dir, out)
     if s["skipped_lines"]:
@@ -40,6 +42,18 @@ def report(run_dir: RunDir, out: Out = None) -> None:
     table.add_row("steps", f"{s['steps']}" + ("" if s["finished"] else " (not finished)"))
     if s["tokens_seen"] is not None:
         table.add_row("tokens", f"{s['tokens_seen']:,}")
+    if s["wall_seconds"] is not None:
+        several = (s["launches"] or 1) > 1
+        table.add_row("wall time", duration(s["wall_seconds"]) + (f" (last of {s['launches']} launches; all launches' "
+                                                                  f"steps {duration(s['train_seconds_total'])})"
+                                                                  if several else ""))
+    elif s["train_seconds_total"] is not None:
+        table.add_row("training steps' time", duration(s["train_seconds_total"]) + " (not finished: no wall time)")
+    if s["tokens_per_s"] is not None:
+        mfu = f", MFU {100 * s['mfu']:.1f}%" if s["mfu"] is not None else ""
+        table.add_row("tokens/s", f"{s['tokens_per_s']:,.0f} ({s['tokens_per_s_basis']}){mfu}")
+    if s["peak_memory_bytes"] is not None:
+        table.add_row("peak memory", f"{gib(s['peak_memory_bytes'])} {MEMORY_LABELS.get(s['peak_memory_kind'], '')}")
     table.add_row("loss", f"{num(s['loss_first'])} -> {num(s['loss_last'])} (ppl {num(s['ppl_last'], '{:.2f}')})")
     table.add_row("eval loss", num(s["eval_loss"]))
     if s["max_vio_last"] is not None:

@@ -1,17 +1,24 @@
 """One picture of a run, from its metrics.jsonl and events.jsonl (`adaptive report RUN_DIR`).
 
-Panels (each axes carries its title, so a test or a user can find it):
+Panels, only those the run has something for (each axes carries its title, so a test or a user can find it):
 
-    "Loss and perplexity"            training loss and eval loss (left), perplexity (right); the
-                                     OOM ladder's and the guard's decisions as vertical lines, and
-                                     each restart after a failed rank (events.jsonl "fault" and
-                                     "restart" records) as a line at the step it resumed from
-    "Expert load, MoE layer i"       one heatmap per MoE layer: share of the routes each expert got
-                                     in each logged interval (columns: logged steps), up to
+    "Loss"                           training loss (a line) and eval loss (points) on one axis, with
+                                     perplexity = exp(loss) as a second scale on the right (ticks at
+                                     powers of ten: the quantity papers quote, read off the same
+                                     curve); the OOM ladder's and the guard's decisions as vertical
+                                     lines, and each restart after a failed rank (events.jsonl "fault"
+                                     and "restart" records) as a line at the step it resumed from
+    "Throughput"                     tokens/s of each logged interval; MFU as a second scale when the
+                                     run knows its GPU's peak
+    "Memory"                         per logged interval: the GPU's peak allocated, the host's peak
+                                     resident set (older runs without either: no panel)
+    "Expert load, MoE layer i"       MoE runs: one heatmap per MoE layer, share of the routes each
+                                     expert got in each logged interval (columns: logged steps), up to
                                      MAX_HEATMAPS layers, evenly picked
-    "MaxVio and dropped fraction"    the worst layer's MaxVio (left), the mean dropped fraction (right)
-    "MoD skip rate"                  per MoD layer
-    "Orchestrator decisions"         one row per policy, a marker per decision, labelled
+    "MaxVio and dropped fraction"    MoE runs: the worst layer's MaxVio (left), the mean dropped
+                                     fraction (right)
+    "MoD skip rate"                  MoD runs: per MoD layer
+    "Orchestrator decisions"         runs with decisions: one row per policy, a marker per decision
 
 After a rollback the rolled-back steps are trained again; the curves show the run as it ended (the
 last record of each step), and the rollback is a decision on the timeline. Matplotlib's Agg canvas
@@ -20,6 +27,7 @@ draws the figure (no display, no pyplot global state). No torch is imported.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,11 +35,13 @@ from typing import Any
 from adaptive.errors import AdaptiveError
 from adaptive.orchestrator.events import EVENTS_FILE
 from adaptive.orchestrator.run_records import read_records
+from adaptive.train.reporting.summary import peak_bytes
 
 METRICS_FILE = "metrics.jsonl"
 REPORT_FILE = "report.png"
 MAX_HEATMAPS = 8
-FIGSIZE = (14.0, 13.0)
+FIG_WIDTH = 14.0  # inches; the height is the sum of the rows drawn
+ROW_HEIGHTS = {"loss": 3.6, "pair": 3.0, "heatmaps": 3.0, "decisions": 2.4}
 DPI = 100
 ROUTINE = ("bias_update",)  # decisions too frequent to label
 LINE_POLICIES = ("oom", "guard")  # decisions that interrupt training: also drawn across the loss panel
@@ -143,38 +153,60 @@ def load_shares(run: RunData, layer: int) -> tuple[list[int], list[list[float]]]
 
 
 def build_figure(run: RunData) -> Any:
-    """The report as a matplotlib Figure (Agg canvas attached)."""
+    """The report as a matplotlib Figure (Agg canvas attached), with the panels this run has data for."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
-    FigureCanvasAgg(fig)
-    grid = fig.add_gridspec(4, 2, height_ratios=[1.2, 1.0, 1.0, 0.8])
     steps = run.steps
+    moe = any(r.get("expert_counts") for r in run.train)
+    mod = any(r.get("mod_skip_rate") for r in run.train)
+    memory = any(peak_bytes(r) is not None for r in run.train)
+    # each row: (kind, [panel drawers]); two drawers share a row side by side
+    rows: list[tuple[str, list[Any]]] = [("loss", [_loss_panel])]
+    rows.append(("pair", [_throughput_panel, _memory_panel] if memory else [_throughput_panel]))
+    if moe:
+        rows.append(("heatmaps", [_heatmaps]))
+    balance = [d for d, has in ((_balance_panel, moe), (_mod_panel, mod)) if has]
+    if balance:
+        rows.append(("pair", balance))
+    if run.decisions:
+        rows.append(("decisions", [_decisions_panel]))
+    heights = [ROW_HEIGHTS[kind] for kind, _ in rows]
+    fig = Figure(figsize=(FIG_WIDTH, sum(heights) + 0.6), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.add_gridspec(len(rows), 2, height_ratios=heights)
     title = run.run_dir.name
     if run.start:
         title = f"{run.start.get('preset')} {run.start.get('arch')}: {run.run_dir}"
     fig.suptitle(title)
-
-    _loss_panel(fig.add_subplot(grid[0, :]), run, steps)
-    _heatmaps(fig, grid[1, :], run)
-    _balance_panel(fig.add_subplot(grid[2, 0]), run, steps)
-    _mod_panel(fig.add_subplot(grid[2, 1]), run, steps)
-    _decisions_panel(fig.add_subplot(grid[3, :]), run, steps)
+    for i, (kind, drawers) in enumerate(rows):
+        if kind == "heatmaps":
+            _heatmaps(fig, grid[i, :], run)
+            continue
+        slots = [grid[i, :]] if len(drawers) == 1 else [grid[i, 0], grid[i, 1]]
+        for drawer, slot in zip(drawers, slots):
+            drawer(fig.add_subplot(slot), run, steps)
     return fig
 
 
 def _loss_panel(ax: Any, run: RunData, steps: list[int]) -> None:
-    ax.set_title("Loss and perplexity")
-    ax.plot(steps, _num(run.series("loss")), color="tab:blue", label="loss")
+    import numpy as np
+    from matplotlib.ticker import LogLocator
+
+    ax.set_title("Loss")
+    ax.plot(steps, _num(run.series("loss")), color="tab:blue", label="train loss")
     if run.evals:
-        ax.plot([e["step"] for e in run.evals], _num([e.get("eval_loss") for e in run.evals]), "o",
-                color="tab:green", label="eval loss")
+        ax.plot([e["step"] for e in run.evals], _num([e.get("eval_loss") for e in run.evals]), "o", color="tab:green",
+                label="eval loss")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
-    twin = ax.twinx()
-    twin.plot(steps, _num(run.series("ppl")), color="tab:orange", alpha=0.6, label="perplexity")
-    twin.set_ylabel("perplexity")
+    ax.set_ylabel("loss (nats per token)")
+    # perplexity = exp(loss) is a relabelling of the same axis, not a second curve
+    ppl = ax.secondary_yaxis("right", functions=(lambda x: np.exp(np.clip(x, -700.0, 700.0)),
+                                                 lambda y: np.log(np.clip(y, 1e-300, None))))
+    ppl.set_ylabel("perplexity")
+    low, high = ax.get_ylim()
+    if high - low > math.log(10.0):  # a decade or more: ticks at 1, 2, 5 x 10^k, evenly spread on the loss axis
+        ppl.yaxis.set_major_locator(LogLocator(base=10.0, subs=(1.0, 2.0, 5.0)))
     for event in run.decisions:
         if event["policy"] not in LINE_POLICIES:
             continue
@@ -185,19 +217,46 @@ def _loss_panel(ax: Any, run: RunData, steps: list[int]) -> None:
         ax.axvline(restart["step"], color="black", alpha=0.5, linestyle=":")
         ax.annotate(restart_label(restart)[:80], (restart["step"], 0.0), xycoords=("data", "axes fraction"),
                     rotation=90, fontsize=7, va="bottom", ha="right", color="black")
-    lines = ax.get_legend_handles_labels()
-    more = twin.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper right", fontsize=8)
+    ax.legend(loc="upper right", fontsize=8)
+
+
+def _throughput_panel(ax: Any, run: RunData, steps: list[int]) -> None:
+    ax.set_title("Throughput")
+    speeds = run.series("tokens_per_s")
+    ax.plot(steps, _num(speeds), color="tab:cyan", marker=".", label="tokens/s (logged interval)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("tokens/s")
+    mean = (run.end or {}).get("tokens_per_s")
+    if mean:
+        ax.axhline(mean, color="tab:cyan", linestyle="--", alpha=0.6, label=f"run mean {mean:,.0f} (first step left out)")
+    ax.set_ylim(bottom=0.0)
+    ax.legend(loc="lower right", fontsize=8)
+    ratios = {round(m / t, 12) for m, t in zip(run.series("mfu"), speeds) if m is not None and t}
+    if len(ratios) == 1:  # MFU is tokens/s times a constant (the seq_len in force set it): a second scale
+        ratio = ratios.pop()
+        mfu = ax.secondary_yaxis("right", functions=(lambda x: 100.0 * x * ratio, lambda y: y / (100.0 * ratio)))
+        mfu.set_ylabel("MFU %")
+
+
+def _memory_panel(ax: Any, run: RunData, steps: list[int]) -> None:
+    ax.set_title("Memory")
+    gpu = [(r.get("memory") or {}).get("peak_allocated_bytes") for r in run.train]
+    host = run.series("peak_rss_bytes")
+    top = 0.0
+    for values, label, color in ((gpu, "GPU peak allocated (interval)", "tab:red"),
+                                 (host, "host peak RSS (so far)", "tab:gray")):
+        if any(v is not None for v in values):
+            ax.plot(steps, [float("nan") if v is None else v / 2**30 for v in values], color=color, marker=".",
+                    label=label)
+            top = max(top, max(v for v in values if v is not None) / 2**30)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("GiB")
+    ax.set_ylim(0.0, 1.15 * top or 1.0)
+    ax.legend(loc="lower right", fontsize=8)
 
 
 def _heatmaps(fig: Any, slot: Any, run: RunData) -> None:
-    first = next((r["expert_counts"] for r in run.train if r.get("expert_counts")), None)
-    if not first:
-        ax = fig.add_subplot(slot)
-        ax.set_title("Expert load")
-        ax.text(0.5, 0.5, "no MoE layers in this run", ha="center", va="center", transform=ax.transAxes)
-        ax.set_axis_off()
-        return
+    first = next(r["expert_counts"] for r in run.train if r.get("expert_counts"))
     layers = heatmap_layers(len(first))
     sub = slot.subgridspec(1, len(layers))
     image = None
@@ -218,9 +277,6 @@ def _heatmaps(fig: Any, slot: Any, run: RunData) -> None:
 def _balance_panel(ax: Any, run: RunData, steps: list[int]) -> None:
     ax.set_title("MaxVio and dropped fraction")
     vio = run.series("max_vio_max")
-    if all(v is None for v in vio):
-        ax.text(0.5, 0.5, "no MoE layers in this run", ha="center", va="center", transform=ax.transAxes)
-        return
     ax.plot(steps, _num(vio), color="tab:purple", label="MaxVio (worst layer)")
     ax.set_ylabel("MaxVio")
     ax.set_xlabel("optimizer step")
@@ -235,10 +291,7 @@ def _balance_panel(ax: Any, run: RunData, steps: list[int]) -> None:
 def _mod_panel(ax: Any, run: RunData, steps: list[int]) -> None:
     ax.set_title("MoD skip rate")
     rates = run.series("mod_skip_rate")
-    first = next((r for r in rates if r), None)
-    if not first:
-        ax.text(0.5, 0.5, "no MoD layers in this run", ha="center", va="center", transform=ax.transAxes)
-        return
+    first = next(r for r in rates if r)
     for j in range(len(first)):
         ax.plot(steps, _num([r[j] if r else None for r in rates]), label=f"MoD layer {j}")
     ax.set_ylim(0.0, 1.0)
@@ -250,10 +303,6 @@ def _mod_panel(ax: Any, run: RunData, steps: list[int]) -> None:
 def _decisions_panel(ax: Any, run: RunData, steps: list[int]) -> None:
     ax.set_title("Orchestrator decisions")
     policies = sorted({e["policy"] for e in run.decisions}, key=lambda p: (p == "balance", p))
-    if not policies:
-        ax.text(0.5, 0.5, "no orchestrator decisions (events.jsonl absent or empty)", ha="center", va="center",
-                transform=ax.transAxes)
-        ax.set_yticks([])
     for row, policy in enumerate(policies):
         events = [e for e in run.decisions if e["policy"] == policy]
         ax.plot([e["step"] for e in events], [row] * len(events), "|" if policy == "balance" else "v",
@@ -286,6 +335,7 @@ def run_summary(run: RunData) -> dict[str, Any]:
         "decisions": {}, "finished": run.end is not None,
         "orchestrator": (run.start or {}).get("orchestrator"),  # {requested, enabled, reason}
         "skipped_lines": run.skipped_lines,
+        **timing(run),
     }
     for e in run.decisions:
         out["decisions"].setdefault(e["policy"], {}).setdefault(e["action"], 0)
@@ -294,6 +344,34 @@ def run_summary(run: RunData) -> dict[str, Any]:
     if ep.get("recommended_ep_size") is not None:
         out["ep_recommendation"] = {"ep_size": ep["recommended_ep_size"], "reason": ep.get("reason")}
     return out
+
+
+def timing(run: RunData) -> dict[str, Any]:
+    """Wall time, tokens/s, MFU and peak memory: the end record's (adaptive.train.reporting.summary says how each is
+    taken); a run that has not finished gets the logged intervals' mean speed (first step's warm-up included), and
+    its highest logged memory, and no wall time."""
+    end = run.end or {}
+    if end.get("tokens_per_s") is not None:
+        return {"wall_seconds": end.get("wall_seconds"), "launches": end.get("launches", 1),
+                "train_seconds_total": end.get("train_seconds_total"), "tokens_per_s": end["tokens_per_s"],
+                "tokens_per_s_basis": "this launch, first step left out", "mfu": end.get("mfu"),
+                "peak_memory_bytes": end.get("peak_memory_bytes"), "peak_memory_kind": end.get("peak_memory_kind")}
+    tokens = seconds = 0.0
+    for r in run.train:
+        speed, interval = r.get("tokens_per_s"), r.get("train_seconds")
+        if not speed:
+            continue
+        interval = interval if interval is not None else (r.get("interval_steps") or 0) * \
+            ((run.start or {}).get("tokens_per_step") or 0) / speed
+        tokens, seconds = tokens + speed * interval, seconds + interval
+    peaks = [b for b in map(peak_bytes, run.train) if b is not None]
+    gpu = any((r.get("memory") or {}).get("peak_allocated_bytes") is not None for r in run.train)
+    mfus = [r["mfu"] for r in run.train if r.get("mfu") is not None]
+    return {"wall_seconds": None, "launches": None,
+            "train_seconds_total": seconds or None, "tokens_per_s": tokens / seconds if seconds else None,
+            "tokens_per_s_basis": "logged intervals", "mfu": sum(mfus) / len(mfus) if mfus else None,
+            "peak_memory_bytes": max(peaks) if peaks else None,
+            "peak_memory_kind": ("cuda_allocated" if gpu else "cpu_rss") if peaks else None}
 
 
 def _mean(values: list[float] | None) -> float | None:
@@ -314,5 +392,6 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> tuple[Pa
     return target, run_summary(run), figure
 
 
-__all__ = ["FIGSIZE", "DPI", "LINE_POLICIES", "REPORT_FILE", "RunData", "build_figure", "heatmap_layers", "load_run",
-           "load_shares", "restart_label", "restarts", "run_summary", "write_report"]
+__all__ = ["DPI", "FIG_WIDTH", "LINE_POLICIES", "REPORT_FILE", "RunData", "build_figure", "heatmap_layers", "load_run",
+           "load_shares", "restart_label", "restarts", "run_summary", "timing",
+           "write_report"]

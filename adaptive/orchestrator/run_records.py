@@ -38,6 +38,12 @@ def _models() -> dict[str, type]:
         max_vio_max: number = None
         tokens_seen: number = None
         skipped_steps: number = None
+        tokens_per_s: number = None
+        train_seconds: number = None
+        interval_steps: number = None
+        mfu: number = None
+        peak_rss_bytes: number = None
+        memory: Optional[dict[str, number]] = None
         dropped_fraction: Optional[list[StrictFloat | StrictInt]] = None
         mod_skip_rate: Optional[list[StrictFloat | StrictInt]] = None
         expert_counts: Optional[list[list[StrictFloat | StrictInt]]] = None
@@ -45,6 +51,14 @@ def _models() -> dict[str, type]:
     class Eval(Record):
         step: step
         eval_loss: number = None
+
+    class End(Record):
+        wall_seconds: number = None
+        train_seconds_total: number = None
+        tokens_per_s: number = None
+        mfu: number = None
+        peak_memory_bytes: number = None
+        launches: number = None
 
     class Decision(Record):
         step: step
@@ -69,7 +83,7 @@ def _models() -> dict[str, type]:
         step: step
         restart: count
 
-    _MODELS = {"train": Train, "eval": Eval, "decision": Decision, "start": Start, "summary": Summary,
+    _MODELS = {"train": Train, "eval": Eval, "end": End, "decision": Decision, "start": Start, "summary": Summary,
                "fault": Fault, "restart": Restart}
     return _MODELS
 

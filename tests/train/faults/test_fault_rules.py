@@ -178,7 +178,7 @@ def test_the_report_draws_each_restart_at_the_step_it_resumed_from(tmp_path):
               {"kind": "restart", "step": 4, "restart": 1, "checkpoint": "step_00000004"}]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in events))
     run = load_run(tmp_path)
-    ax = next(a for a in build_figure(run).axes if a.get_title() == "Loss and perplexity")
+    ax = next(a for a in build_figure(run).axes if a.get_title() == "Loss")
     assert [line.get_xdata()[0] for line in ax.get_lines() if line.get_linestyle() == ":"] == [4]
     label = "restart 1 from step 4: rank 1 killed by signal 9 (SIGKILL)"
     assert label in [t.get_text() for t in ax.texts]
