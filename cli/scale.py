@@ -111,7 +111,7 @@ def scale(
 
     from adaptive.scaling.sweep import scale as run_scale
 
-    view = SweepView(points)
+    view = SweepView(points, out, jobs)
     try:
         with view:
             done = run_scale(settings, out, view, jobs=jobs, samples=bootstrap)

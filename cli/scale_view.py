@@ -1,5 +1,6 @@
-"""How `adaptive scale` shows itself: a rich progress bar over the sweep's points and one per point in training,
-a line per finished point, then the results and the fitted laws as tables."""
+"""How `adaptive scale` shows itself: a rich progress bar over the sweep's points (with the time the rest will take,
+from the points run so far: adaptive/scaling/eta.py) and one per point in training, a line per finished point, a
+status line while the law is fitted, then the results, the fitted law and what the sweep does not pin."""
 
 from __future__ import annotations
 
@@ -11,33 +12,59 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from adaptive.scaling import state
+from adaptive.scaling.eta import duration, eta_seconds
 from adaptive.scaling.sweep import Events, Scaled
 
 console = Console(stderr=False, highlight=False)
 
 
 class SweepView(Events):
-    def __init__(self, points: list[Any]) -> None:
+    def __init__(self, points: list[Any], out: Path | None = None, jobs: int = 1) -> None:
         self.points = points
+        self.out, self.jobs = out, jobs
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), console=console, transient=False)
+                                 TimeElapsedColumn(), TextColumn("{task.fields[eta]}"), console=console,
+                                 transient=False)
         self.overall: Any = None
         self.tasks: dict[str, Any] = {}
+        self.finished: list[tuple[float, float]] = []  # (FLOPs, seconds) of each point timed so far
+        self.remaining: dict[str, float] = {p.name: p.flops for p in points}  # name -> FLOPs, not yet finished
+        self.status: Any = None  # the fit's status line, while it runs
+        self.refits, self.fit_text = 0, ""
 
     def __enter__(self) -> SweepView:
         self.progress.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self.status is not None:
+            self.status.stop()
         self.progress.stop()
 
     def begin(self, points: list[Any], done: int) -> None:
-        self.overall = self.progress.add_task("[bold]sweep points", total=len(points), completed=done)
+        recorded = (state.load(self.out) or {"points": {}})["points"] if self.out is not None else {}
+        for name, p in recorded.items():
+            if p["status"] != state.PENDING and name in self.remaining:
+                del self.remaining[name]
+                if p.get("seconds"):  # a point harvested from its run folder was not timed
+                    self.finished.append((p["flops"], p["seconds"]))
+        self.overall = self.progress.add_task("[bold]sweep points", total=len(points), completed=done, eta="")
         if done:
             self.progress.console.print(f"continuing the sweep: {done} of {len(points)} points done already")
+        self._update_eta()
+
+    def eta(self) -> str:
+        """The rest of the sweep in words, from the points timed so far ('' before the first)."""
+        left = eta_seconds(self.finished, list(self.remaining.values()), self.jobs)
+        if left is None or not self.remaining:
+            return ""
+        return f"about {duration(left)} left for {len(self.remaining)} point(s)"
+
+    def _update_eta(self) -> None:
+        self.progress.update(self.overall, eta=self.eta())
 
     def point_start(self, point: Any) -> None:
-        self.tasks[point.name] = self.progress.add_task(f"  {point.name}", total=point.steps)
+        self.tasks[point.name] = self.progress.add_task(f"  {point.name}", total=point.steps, eta="")
 
     def step(self, point: Any, step: int) -> None:
         if point.name in self.tasks:
@@ -48,12 +75,35 @@ class SweepView(Events):
         if task is not None:
             self.progress.remove_task(task)
         self.progress.advance(self.overall)
+        self.remaining.pop(point.name, None)
+        if outcome.seconds > 0:
+            self.finished.append((point.flops, outcome.seconds))
+        self._update_eta()
+        eta = self.eta()
+        eta = f"; {eta}" if eta else ""
         if outcome.diverged:
             self.progress.console.print(f"[yellow]warning:[/] {point.name} diverged ({outcome.diverged}); it is "
-                                        "left out of the fit")
+                                        f"left out of the fit ({outcome.seconds:.0f} s{eta})")
         else:
             self.progress.console.print(f"{point.name}: N {point.params:,}, D {point.tokens:,} tokens, loss "
-                                        f"{outcome.eval_loss:.4f} ({outcome.seconds:.0f} s)")
+                                        f"{outcome.eval_loss:.4f} ({outcome.seconds:.0f} s{eta})")
+
+    def fit_start(self, points: int, refits: int) -> None:
+        self.progress.stop()  # one live display at a time: the status line replaces the bars
+        self.refits = refits
+        self.fit_text = f"fitting the loss law to {points} points, then {refits} bootstrap refits"
+        self.status = console.status(self.fit_text + "…")
+        self.status.start()
+
+    def refit(self, done: int) -> None:
+        if self.status is not None:
+            self.status.update(f"{self.fit_text}: refit {done} of {self.refits}…")
+
+    def fit_end(self, seconds: float) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+        console.print(f"fitted the law, its {self.refits} bootstrap refits and the plot in {duration(seconds)}")
 
     def interrupted(self, out: Path) -> None:
         sweep = state.load(out) or {"points": {}}
@@ -126,4 +176,6 @@ def show_result(done: Scaled) -> None:
         console.print(f"[yellow]warning:[/] {p['name']} diverged ({p.get('reason')}); left out of the fit")
     for line in done.skipped:
         console.print(f"[yellow]warning:[/] no law for {line}")
+    for line in done.warnings:
+        console.print(f"[yellow]warning:[/] {line}")
     console.print(f"wrote {done.law_path} (use it: adaptive fit --loss-law {done.law_path}) and {done.plot_path}")

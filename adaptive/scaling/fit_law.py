@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -286,9 +287,11 @@ def fit_joint(obs: list[Observation], archs: tuple[str, ...], unique_tokens: flo
     return _as_joint(_best(x, y, log_loss, group, starts, unique), archs, x, y, log_loss, group, unique)
 
 
-def bootstrap_joint(obs: list[Observation], fit: JointFit, samples: int = 100, seed: int = 0) -> list[JointFit]:
+def bootstrap_joint(obs: list[Observation], fit: JointFit, samples: int = 100, seed: int = 0,
+                    on_refit: Callable[[int], None] | None = None) -> list[JointFit]:
     """Refits on resamplings: each arch's points drawn with replacement among its own (every arch keeps its
-    count), and each point's loss the mean of its seeds drawn with replacement (the seed spread enters the band)."""
+    count), and each point's loss the mean of its seeds drawn with replacement (the seed spread enters the band).
+    `on_refit(done)` after each refit."""
     archs = tuple(fit.multipliers)
     x, y, _, group = _joint_arrays(obs, archs)
     unique = fit.unique_tokens if fit.repeat_decay is not None else None
@@ -305,6 +308,8 @@ def bootstrap_joint(obs: list[Observation], fit: JointFit, samples: int = 100, s
         log_loss = np.log([np.mean(rng.choice(obs[i].losses, len(obs[i].losses))) for i in pick])
         theta = _best(x[pick], y[pick], log_loss, group[pick], starts, unique)
         out.append(_as_joint(theta, archs, x[pick], y[pick], log_loss, group[pick], unique))
+        if on_refit is not None:
+            on_refit(len(out))
     return out
 
 

@@ -17,9 +17,10 @@ import json
 import math
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -27,6 +28,7 @@ from adaptive.durable import atomic_write_text
 from adaptive.errors import AdaptiveError
 from adaptive.record import record
 from adaptive.scaling import state
+from adaptive.scaling.diagnose import diagnose
 from adaptive.scaling.fit_law import (MIN_POINTS, MIN_POINTS_PER_ARCH, N_DEFINITION, Fit, JointFit, Observation,
                                       bootstrap_joint, fit_joint, interval)
 from adaptive.plan.quality.ranking import LossComparison, compare_losses
@@ -50,6 +52,15 @@ class Events:
     def step(self, point: Point, step: int) -> None: ...
 
     def point_end(self, point: Point, outcome: Outcome) -> None: ...
+
+    def fit_start(self, points: int, refits: int) -> None:
+        """The law's fit begins: `points` observations, then `refits` bootstrap refits (a minute or more)."""
+
+    def refit(self, done: int) -> None:
+        """`done` bootstrap refits finished."""
+
+    def fit_end(self, seconds: float) -> None:
+        """The fit, its refits and the outputs took `seconds`."""
 
 
 def run_sweep(settings: SweepSettings, out: Path, events: Events | None = None, jobs: int = 1) -> dict[str, Any]:
@@ -188,11 +199,12 @@ def corpus_tokens(settings: SweepSettings) -> int:
 
 
 def fit_sweep(sweep: dict[str, Any], budgets: Sequence[float] | None = None, samples: int = 100,
-              unique_tokens: float | None = None) -> tuple[SweepLaw | None, list[str]]:
+              unique_tokens: float | None = None,
+              on_refit: Callable[[int], None] | None = None) -> tuple[SweepLaw | None, list[str]]:
     """The joint law over the archs with enough done points (at `budgets` only, when given), and a line for
     each arch left out; None when none can be fitted. The reference arch is dense when the sweep has it.
     `unique_tokens`: the corpus's training tokens (default: what sweep.json recorded); past them, repeats count
-    as Muennighoff et al.'s effective data, with R_D* fitted."""
+    as Muennighoff et al.'s effective data, with R_D* fitted. `on_refit(done)` after each bootstrap refit."""
     if unique_tokens is None:
         unique_tokens = sweep.get("unique_tokens")
     obs = observations(sweep, budgets)
@@ -209,7 +221,7 @@ def fit_sweep(sweep: dict[str, Any], budgets: Sequence[float] | None = None, sam
     fit = fit_joint(obs, tuple(archs), unique_tokens)
     fitted_budgets = tuple(sorted({p["budget"] for p in state.results(sweep) if p["arch"] in archs
                                    and (budgets is None or p["budget"] in budgets)}))
-    return SweepLaw(fit, bootstrap_joint(obs, fit, samples=samples), obs, fitted_budgets), skipped
+    return SweepLaw(fit, bootstrap_joint(obs, fit, samples=samples, on_refit=on_refit), obs, fitted_budgets), skipped
 
 
 def law_json(name: str, settings: SweepSettings, law: SweepLaw) -> dict[str, Any]:
@@ -248,7 +260,7 @@ def write_outputs(out: Path, sweep: dict[str, Any], law: SweepLaw | None,
     atomic_write_text(law_path, json.dumps(law_json(Path(out).resolve().name, settings, law), indent=1) + "\n")
     cands = {arch: candidates(arch, settings.vocab_size, settings.seq_len) for arch in law.archs}
     plot_path = draw(Path(out) / PLOT_FILE, state.results(sweep), {a: law.fit.for_arch(a) for a in law.archs},
-                     cands, held_out)
+                     cands, held_out, diagnose(sweep, law))
     return law_path, plot_path
 
 
@@ -268,17 +280,24 @@ class Scaled:
     skipped: list[str]
     law_path: Path
     plot_path: Path
+    fit_seconds: float = 0.0  # the fit, its bootstrap refits, law.json and the plot
+    warnings: tuple[str, ...] = ()  # where the sweep does not pin the law (diagnose.py)
 
 
 def scale(settings: SweepSettings, out: Path, events: Events | None = None, jobs: int = 1,
           samples: int = 100) -> Scaled:
     """The sweep (continued), the laws fitted on it, law.json and isoflop.png."""
+    events = events or Events()
     sweep = run_sweep(settings, out, events, jobs)
     record_corpus_tokens(out, sweep)
-    law, skipped = fit_sweep(sweep, samples=samples)
+    began = time.monotonic()
+    events.fit_start(len(observations(sweep)), samples)
+    law, skipped = fit_sweep(sweep, samples=samples, on_refit=events.refit)
     law_path, plot_path = write_outputs(out, sweep, law)
     assert law is not None  # write_outputs refuses None
-    return Scaled(sweep, law, skipped, law_path, plot_path)
+    seconds = time.monotonic() - began
+    events.fit_end(seconds)
+    return Scaled(sweep, law, skipped, law_path, plot_path, seconds, tuple(w.text for w in diagnose(sweep, law)))
 
 
 __all__ = ["BUILTIN_VOCAB", "ComputeMultiplier", "Events", "LAW_FILE", "PLOT_FILE", "POINTS_DIR", "Scaled",
