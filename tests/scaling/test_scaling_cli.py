@@ -112,3 +112,39 @@ def test_a_sweep_with_its_own_tokenizer_and_saved_dataset_writes_a_joint_law_the
     assert again.returncode == 0 and "16 of 16 points done already" in again.stdout  # nothing retrained
     other = scale(*args[:5], "1e10,4e10", *args[6:])
     assert other.returncode == 2 and "holds a sweep with other settings (budgets" in other.stderr
+
+
+def _params(module: str, function: str) -> dict:
+    import importlib
+
+    import typer
+
+    app = typer.Typer()
+    app.command()(getattr(importlib.import_module(module), function))
+    return {p.name: p for p in typer.main.get_command(app).params}
+
+
+def test_scale_s_help_states_the_defaults_its_sweep_uses_and_nothing_it_refuses():
+    """--seq-len, --micro-batch, --lr and --dataset: the default typer hands in is what the sweep trains with, and
+    --help shows it; the recipes' defaults (sequence 2048, the preset's rate, C4 or a hub name) are not offered."""
+    from adaptive.config.run import RunConfig
+    from cli.scale import SCALE_OPTIONS, sweep_settings
+
+    params = _params("cli.scale", "scale")
+    given = {name: params[name].default for name in SCALE_OPTIONS if params[name].default is not None}
+    settings = sweep_settings(RunConfig.from_options(given), ("dense",), (1e11, 2e11, 4e11), 3, 1)
+    used = {"seq_len": settings.seq_len, "micro_batch": settings.micro_batch, "lr": settings.lr,
+            "dataset": settings.dataset}
+    assert used == {name: params[name].default for name in used} == {"seq_len": 128, "micro_batch": 4, "lr": 3e-3,
+                                                                      "dataset": "builtin"}
+    assert all(params[name].show_default for name in used)
+    help_text = " ".join(scale("--help").stdout.split())
+    for shown in ("[default: 128]", "[default: 4]", "[default: 0.003]", "[default: builtin]", "[default: dense]"):
+        assert shown in help_text, shown
+    for stale in ("2048;", "default 2048", "C4", "by preset", "hub dataset", "Hub name", "one law each"):
+        assert stale not in help_text, stale
+    assert "one law across them" in help_text  # --arch: a multiplier per arch, not a law each
+    assert "--dataset (default builtin: a .txt" not in help_text  # the old summary called builtin a file
+    # the shared options keep their own help elsewhere: `adaptive fit --seq-len` still defaults to 2048
+    fit = _params("cli.fit", "fit")
+    assert "default 2048" in fit["seq_len"].help and fit["seq_len"].default is None
