@@ -161,14 +161,19 @@ def show_result(done: Scaled) -> None:
     t = Table(title="isoFLOP sweep (final eval loss, nats/token)")
     for column in ("arch", "budget FLOPs", "width", "N active", "tokens", "loss"):
         t.add_column(column, justify="left" if column == "arch" else "right", overflow="fold")
+    from adaptive.scaling.diagnose import edge_optima
+
+    edges = {(w.arch, w.budget, w.width) for w in edge_optima(done.sweep)}
     for p in points:
         at = [q for q in points if q["arch"] == p["arch"] and q["budget"] == p["budget"] and q["status"] == state.DONE]
         best = at and min(at, key=lambda q: q["eval_loss"]) is p
-        loss = (f"{p['eval_loss']:.4f}" + (" *" if best else "")) if p["status"] == state.DONE else \
+        edge = " [yellow](edge)[/]" if best and (p["arch"], p["budget"], p["width"]) in edges else ""
+        loss = (f"{p['eval_loss']:.4f}" + (" *" if best else "") + edge) if p["status"] == state.DONE else \
             f"[yellow]{p['status']}[/]"
         t.add_row(p["arch"], f"{p['budget']:.3g}", str(p["width"]), f"{p['params']:,}", f"{p['tokens']:,}", loss)
     console.print(t)
-    console.print("* the budget's best size")
+    console.print("* the budget's best size" + ("; (edge): the smallest or largest width swept, see the warnings"
+                                                if edges else ""))
     console.print(law_table(done.law))
     for line in compute_lines(done.law, done.sweep["settings"]):
         console.print(line)

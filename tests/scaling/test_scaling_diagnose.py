@@ -152,3 +152,19 @@ def test_the_picture_rings_the_edge_points_and_writes_the_warnings(tmp_path):
     assert not clean.axes[0].texts and clean._suptitle is None and not clean.texts
     plt.close(clean)
     assert draw(tmp_path / "isoflop.png", points, fits, cands, (), warnings).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_results_mark_the_edge_points_and_print_every_warning(capsys, tmp_path):
+    from adaptive.scaling.sweep import Scaled, SweepLaw, observations
+    from cli.scale_view import show_result
+
+    sweep = sweep_from(SMALL_BEST)
+    fit = _joint(e=math.exp(-10.0))
+    law = SweepLaw(fit, [fit] * 3, observations(sweep), SETTINGS.budgets)
+    warnings = tuple(w.text for w in diagnose(sweep, law))
+    show_result(Scaled(sweep, law, [], tmp_path / "law.json", tmp_path / "isoflop.png", 71.0, warnings))
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("* (edge)") == 3  # each budget's best row
+    assert "(edge): the smallest or largest width swept, see the warnings" in out
+    assert "warning: dense, budget 4e+13 FLOPs: best width 64 is the smallest swept" in out
+    assert "warning: E = 4.54e-05: at its lower bound (4.5e-05)" in out
