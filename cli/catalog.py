@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from adaptive.plan import ARCHS, CATALOG, PRESETS, count_params, preset_spec
-from adaptive.plan.hardware.gpus import figures
+from adaptive.plan.hardware.gpus import figures, gib_figure
 
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
@@ -72,7 +72,7 @@ def gpus(json_output: Json = False) -> None:
                 "matmul TFLOP/s", "flash-attn TFLOP/s"):
         t.add_column(col, justify="left" if col in ("gpu", "intra-node link") else "right")
     for g in CATALOG.values():
-        t.add_row(g.name, f"{g.memory_gib:.1f}", f"{g.peak_tflops:g}", "yes" if g.bf16 else "no (fp16)",
+        t.add_row(g.name, gib_figure(g.memory_bytes), f"{g.peak_tflops:g}", "yes" if g.bf16 else "no (fp16)",
                   f"{g.memory_bandwidth_gbps:g}", g.link, f"{figures(g.name).inter_node_gbps:g}",
                   f"{g.price_per_hour:.2f}", f"{g.peak_tflops * figures(g.name).kernels.matmul_fraction:.0f}",
                   f"{g.peak_tflops * figures(g.name).kernels.attention_fraction:.0f}")

@@ -14,6 +14,8 @@ from adaptive.plan import fit as plan_fit
 from adaptive.plan.request import request_from_config
 
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+Brief = Annotated[bool, typer.Option("--brief", help="Print only the first line: the verdict, what decided it, the "
+                                                     "peak against the GPU, time and cost (the exit code as without).")]
 
 
 @with_run_options(FIT)
@@ -24,18 +26,19 @@ def fit(
              "folder with metrics.jsonl (measured peak and tokens/s).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Write ds_config.json, accelerate_config.yaml, plan.json here.")] = None,
     json_output: Json = False,
+    brief: Brief = False,
 ) -> None:
     """Plan a DeepSpeed training run: ZeRO, offload, micro-batch, accumulation, checkpointing, cost, predicted loss."""
     q = config.quality
     if q.budget_usd is not None or q.budget_gpu_hours is not None or q.budget_days is not None:
-        return fit_budget(config, calibrate, out, json_output)
+        return fit_budget(config, calibrate, out, json_output, brief)
     if q.max_params is not None:
         from adaptive.errors import AdaptiveError
 
         raise AdaptiveError("--max-params bounds a budget search: give --budget-usd, --budget-gpu-hours or "
                             "--budget-days with it")
     plan = plan_fit(request_from_config(config, calibrate=calibrate))
-    show("plan", plan, out, json_output)
+    show("plan", plan, out, json_output, brief)
     if not plan.fits:
         raise typer.Exit(1)
 
@@ -44,9 +47,10 @@ def fit(
 SHOWN = {"plan": ("write_plan_files", "plan_dict", "plan"), "budget": ("write_budget_files", "budget_dict", "budget")}
 
 
-def show(kind: str, result: object, out: Path | None, json_output: bool) -> None:
-    """Write `result`'s files into `out`, then print it as JSON or as tables. emit (and json) is imported only
-    where files or JSON are asked for, rich only for tables: a plain `fit` needs neither json nor the writers."""
+def show(kind: str, result: object, out: Path | None, json_output: bool, brief: bool = False) -> None:
+    """Write `result`'s files into `out`, then print it as JSON, as its first line alone (--brief) or as tables.
+    emit (and json) is imported only where files or JSON are asked for, rich only for tables: a plain `fit` needs
+    neither json nor the writers."""
     writer, as_dict, table = SHOWN[kind]
     files = None
     if out or json_output:
@@ -58,12 +62,18 @@ def show(kind: str, result: object, out: Path | None, json_output: bool) -> None
 
             print(json.dumps(getattr(emit, as_dict)(result), indent=2))
             return
+    if brief:  # the plan's own words (search/answer.py), without rich
+        from adaptive.plan.search.answer import first_line
+
+        print(first_line(result).line)  # type: ignore[arg-type]
+        return
     from cli import render
 
     getattr(render, table)(result, files)
 
 
-def fit_budget(config: RunConfig, calibrate: str | None, out: Path | None, json_output: bool) -> None:
+def fit_budget(config: RunConfig, calibrate: str | None, out: Path | None, json_output: bool,
+               brief: bool = False) -> None:
     """The lowest predicted loss a budget buys: over the size ladder and every arch (or the --model and --arch
     given), each planned on the given GPUs."""
     from adaptive.plan.architecture.hf_config import looks_like_path
@@ -79,4 +89,4 @@ def fit_budget(config: RunConfig, calibrate: str | None, out: Path | None, json_
         candidates = {a: [resolve_model(m.name, a, m.mod_capacity if a in ("mod", "hybrid") else None)] for a in archs}
     else:
         candidates = ladder_specs((m.arch,) if m.arch else ARCHS, req.spec.vocab_size)
-    show("budget", search_budget(req, budget, candidates, q.max_params), out, json_output)
+    show("budget", search_budget(req, budget, candidates, q.max_params), out, json_output, brief)

@@ -14,6 +14,8 @@ from rich.text import Text
 
 from adaptive.plan.estimate.op_times import STACKS
 from adaptive.plan.estimate.optimizers import DESCRIPTIONS
+from adaptive.plan.hardware.gpus import format_gib, gib_figure
+from adaptive.plan.search.answer import Answer, answer, budget_answer, duration, headroom_note
 from adaptive.plan.search.planner import Plan
 
 if TYPE_CHECKING:
@@ -62,8 +64,7 @@ PART_WHEN = {
 }
 
 
-def gib(n: float) -> str:
-    return f"{n / GiB:,.2f} GiB"
+gib = format_gib  # one rounding of GiB on every screen (hardware/gpus.py)
 
 
 def human(n: float) -> str:
@@ -71,14 +72,6 @@ def human(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f}{unit}"
     return f"{n:.0f}"
-
-
-def duration(hours: float) -> str:
-    if hours < 1:
-        return f"{hours * 60:.0f} min"
-    if hours < 48:
-        return f"{hours:.1f} h"
-    return f"{hours / 24:.1f} days"
 
 
 def bar(value: int, capacity: int, width: int = 30) -> Text:
@@ -125,12 +118,10 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
         shown.append((renderable, kwargs))
 
     req, c = p.request, p.shown
-    s, spec = c.setup, req.spec
-    verdict = Text("FITS", style="bold green") if p.fits else Text("DOES NOT FIT", style="bold red")
-    title = Text.assemble(f"{spec.name} {spec.arch}{finetune_words(p)} on {req.world_size} x {req.gpu.name}: ", verdict)
-    out(title)
+    s = c.setup
+    out(answer_line(answer(p)), soft_wrap=True)
     out(f"{human(p.counts.total)} params ({human(p.counts.active)} active){trainable_words(p)}, "
-                  f"{'bf16' if req.gpu.bf16 else 'fp16'}, {req.gpu.memory_gib:.1f} GiB per GPU; "
+                  f"{'bf16' if req.gpu.bf16 else 'fp16'}, {gib(req.gpu.memory_bytes)} per GPU; "
                   f"{p.searched} configurations searched")
 
     out(knobs_table(p))
@@ -150,12 +141,15 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
                 when = "16-bit: whole step; fp32: optimizer step"
             if part == "comm_buckets" and s.zero_stage in (1, 2):
                 when = "backward (reduce buckets)"
-            mem.add_row(PART_LABELS.get(part, part), when, f"{value / GiB:,.2f}", bar(value, cap))
-    mem.add_row(Text("peak", style="bold"), m.peak_phase.replace("_", " "), f"{m.peak_gpu_bytes / GiB:,.2f}",
+            mem.add_row(PART_LABELS.get(part, part), when, gib_figure(value), bar(value, cap))
+    mem.add_row(Text("peak", style="bold"), m.peak_phase.replace("_", " "), gib_figure(m.peak_gpu_bytes),
                 bar(m.peak_gpu_bytes, cap))
     out(mem)
     out(f"peak = whole step {gib(m.persistent_bytes)} + max(backward {gib(m.backward_bytes)}, "
-                  f"optimizer step {gib(m.step_bytes)}) + allowances")
+                  f"optimizer step {gib(m.step_bytes)}) + allowances"
+        + (f"; headroom {req.headroom.words(req.gpu.memory_bytes)} kept free (--headroom)" if p.headroom_bytes else ""))
+    if note := headroom_note(p):
+        out(note, soft_wrap=True)
     if p.tight:
         out(f"[yellow]Tight:[/yellow] the peak is within {p.tight_margin:.0%} of capacity (the largest "
                       f"peak under-prediction on published runs of this stack); decided by "
@@ -226,6 +220,7 @@ def budget(result: BudgetResult, files: dict[str, Path] | None = None) -> None:
     """The best plan of each arch that the budget buys, then the winner's plan in full."""
     best = result.best
     req = best.request
+    console.print(answer_line(budget_answer(result)), soft_wrap=True)
     t = Table(title=f"What {result.budget.describe()} buys on {req.world_size} x {req.gpu.name} "
                     f"({duration(result.hours)} of training; lowest predicted loss first)", box=box.SIMPLE_HEAD)
     for col in ("arch", "model", "params", "active", "tokens", "tok/param", "tokens/s", "time", "cost", "loss (band)"):
@@ -262,15 +257,9 @@ def budget(result: BudgetResult, files: dict[str, Path] | None = None) -> None:
                       f"{best.train_tokens:.4g}{lr} --ds-config {files['ds_config']}", soft_wrap=True)
 
 
-def finetune_words(p: Plan) -> str:
-    """ ", QLoRA fine-tune (rank 16, all-linear)" for a fine-tune's title."""
-    ft = p.request.finetune
-    if ft is None:
-        return ""
-    if not ft.adapted:
-        return ", full fine-tune"
-    return (f", {'QLoRA' if ft.quantized else 'LoRA'} fine-tune (rank {ft.lora_rank}, alpha {ft.alpha:g}, "
-            f"{ft.lora_targets})")
+def answer_line(a: Answer) -> Text:
+    """The plan's first line (search/answer.py), its verdict in colour."""
+    return Text.assemble(f"{a.title}: ", Text(a.verdict, style="bold green" if a.fits else "bold red"), f": {a.reason}")
 
 
 def trainable_words(p: Plan) -> str:

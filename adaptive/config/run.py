@@ -112,6 +112,11 @@ class HardwareOptions:
     host_mem: float | None = option(None, "--host-mem", commands=FIT_ONLY, above=0.0, unit="gib",
                                     help="Host RAM per node in GiB (2^30 bytes), or with a unit: 256GB (1e9 bytes), "
                                          "256GiB, 1TiB (default 3x GPU memory).")
+    headroom: str | None = option(
+        None, "--headroom", commands=FIT_ONLY, pattern=(r"(\d+(\.\d*)?|\.\d+)\s*(%|[gG][iI][bB])?",
+                                                       "GiB, or a percentage (10%)"),
+        help="GPU memory every plan keeps free: GiB (2) or a percentage of the GPU's (10%). Default 13%: the largest "
+             "peak under-prediction on published runs of this stack (adaptive/plan/search/tight.py); 0: the whole GPU.")
     mfu: float | None = option(None, "--mfu", commands=FIT_ONLY, above=0.0, maximum=1.0,
                                help="Override the assumed MFU (0-1].")
 

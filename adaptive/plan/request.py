@@ -16,6 +16,7 @@ from adaptive.plan.estimate.optimizers import check_optimizer
 from adaptive.plan.finetune.method import Finetune, make_finetune
 from adaptive.plan.quality.predict import resolve_law
 from adaptive.plan.search.planner import FitRequest
+from adaptive.plan.search.tight import parse_headroom
 from adaptive.plan.architecture.presets import ModelSpec, preset_spec
 
 if TYPE_CHECKING:  # --ds-config and --calibrate import what they read when given (a plain fit starts sooner)
@@ -64,10 +65,11 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
                  epochs: float | None = None, nvme_path: str | None = None,
                  nvme_gbps: str | None = None, framework: str = "deepspeed", precision: str = "mixed",
                  loss: str | None = None, optimizer_in_backward: bool = False,
-                 activation_offload: bool = False) -> FitRequest:
+                 activation_offload: bool = False, headroom: str | None = None) -> FitRequest:
     """`kernels` None: "lean" for adaptive's models, "plain" for a config.json transformers' class trains.
     `framework`, `precision`, `loss`, `optimizer_in_backward`, `activation_offload`: another stack's memory behaviour
-    (estimate/memory.py FRAMEWORKS and PRECISIONS, estimate/losses.py LOSSES); the defaults are adaptive's own."""
+    (estimate/memory.py FRAMEWORKS and PRECISIONS, estimate/losses.py LOSSES); the defaults are adaptive's own.
+    `headroom`: --headroom's text (GiB or a percentage); None keeps the corpus's default free (search/tight.py)."""
     require_positive("--host-mem", host_mem_gib)
     spec = resolve_model(model, arch, mod_capacity)
     method = resolve_finetune(finetune, lora_rank, lora_alpha, lora_targets, lora_dropout, epochs)
@@ -104,7 +106,7 @@ def make_request(*, model: str, gpu: str | None, arch: str | None = None, gpus: 
         global_batch_tokens=global_batch_tokens, train_tokens=tokens, zero_stage=zero, offload=offload,
         micro_batch_size=micro_batch, grad_accum=grad_accum, gradient_checkpointing=checkpointing,
         ep_size=ep_size, capacity_factor=capacity_factor, mfu=mfu,
-        host_mem_bytes=int(host_mem_gib * GiB) if host_mem_gib is not None else None,
+        host_mem_bytes=int(host_mem_gib * GiB) if host_mem_gib is not None else None, headroom=parse_headroom(headroom),
         calibration=activations, optimizer=optimizer or "auto", attention=attention, ds_config=ds,
         calibrated=(f"activations (measured at seq {activations.seq_len}: {activations.method})",) if activations else (),
         kernels=kernels or default_kernels(spec),
@@ -204,4 +206,4 @@ def request_from_config(config: RunConfig, *, model: str = "b7", calibrate: str 
         dataset_tokens=config.quality.dataset_tokens, lr=config.optimizer.lr, pp_size=par.pp_size,
         finetune=config.finetune.finetune, lora_rank=config.finetune.lora_rank, lora_alpha=config.finetune.lora_alpha,
         lora_targets=config.finetune.lora_targets, lora_dropout=config.finetune.lora_dropout,
-        epochs=config.finetune.epochs, nvme_path=par.nvme_path, nvme_gbps=par.nvme_gbps)
+        epochs=config.finetune.epochs, nvme_path=par.nvme_path, nvme_gbps=par.nvme_gbps, headroom=hw.headroom)

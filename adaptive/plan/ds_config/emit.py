@@ -21,8 +21,9 @@ from adaptive.plan.estimate.optimizers import EIGHT_BIT
 from adaptive.plan.architecture.families import resolve_targets
 from adaptive.plan.architecture.params import count_params
 from adaptive.plan.quality.predict import quality_dict
-from adaptive.plan.search.planner import Candidate, Plan
-from adaptive.plan.search.tight import TIGHT_MARGIN
+from adaptive.plan.search.planner import Candidate, Plan, offload_name
+from adaptive.plan.search.answer import Answer, answer, budget_answer
+from adaptive.plan.search.tight import DEFAULT_HEADROOM_FRACTION, TIGHT_MARGIN
 
 if TYPE_CHECKING:  # a budget's files and JSON; a plain plan's do not import the search for it
     from adaptive.plan.search.budget import BudgetResult
@@ -274,6 +275,8 @@ def plan_dict(plan: Plan) -> dict:
         "assumptions": assumptions(plan),
         "optimizer": req.optimizer,
         "attention": req.attention,
+        "answer": answer_dict(answer(plan)),
+        "headroom": headroom_dict(plan),
         "tight": plan.tight,
         "tight_margin": TIGHT_MARGIN,
         "tight_decided_by": plan.tight_part,
@@ -286,6 +289,22 @@ def plan_dict(plan: Plan) -> dict:
         "finetune": finetune_dict(plan),
     }
     return out
+
+
+def answer_dict(a: Answer) -> dict:
+    """The first line and its parts (search/answer.py): decided_by is fits | gpu | host | headroom | pin."""
+    return {"line": a.line, "verdict": a.verdict, "decided_by": a.decided_by, "reason": a.reason}
+
+
+def headroom_dict(plan: Plan) -> dict:
+    """The GPU memory every candidate kept free, as given or by default, and the faster ones it ruled out."""
+    h = plan.request.headroom
+    return {"bytes": plan.headroom_bytes, "fraction": h.fraction if h.gib is None else None, "gib": h.gib,
+            "given": h.given, "default_fraction": DEFAULT_HEADROOM_FRACTION,
+            "ruled_out": [{"zero_stage": c.setup.zero_stage, "offload": offload_name(c.setup),
+                           "micro_batch_size": c.setup.micro_batch_size, "checkpointing": c.setup.checkpointing,
+                           "peak_gpu_bytes": c.memory.peak_gpu_bytes,
+                           "tokens_per_second": c.throughput.tokens_per_second} for c in plan.ruled_out]}
 
 
 def finetune_dict(plan: Plan) -> dict | None:
@@ -321,7 +340,7 @@ def hyperparams_dict(plan: Plan) -> dict | None:
 def budget_dict(result: BudgetResult) -> dict:
     """fit --budget-*'s JSON: the winner's plan, and the budget with the best plan of each arch."""
     b = result.budget
-    return {**plan_dict(result.best), "budget": {
+    return {**plan_dict(result.best), "answer": answer_dict(budget_answer(result)), "budget": {
         "usd": b.usd, "gpu_hours": b.gpu_hours, "days": b.days, "hours_bought": result.hours,
         "gpu_hours_bought": result.hours * result.best.request.world_size, "models_planned": result.planned,
         "global_batch_from": "pinned (--global-batch-tokens)" if result.batch_pinned else

@@ -21,6 +21,16 @@ GiB = 2**30
 MiB = 2**20
 
 
+def gib_figure(n_bytes: float) -> str:
+    """GiB as every screen shows it (header, tables, first line, catalog): two decimals, "23.99"."""
+    return f"{n_bytes / GiB:,.2f}"
+
+
+def format_gib(n_bytes: float) -> str:
+    """ "23.99 GiB" """
+    return f"{gib_figure(n_bytes)} GiB"
+
+
 @record
 class GPU:
     """One GPU type: memory, peak 16-bit FLOP/s, links and price."""

@@ -61,11 +61,12 @@ class Candidate:
 
     setup: TrainSetup
     memory: MemoryEstimate
-    fits_gpu: bool
+    fits_gpu: bool  # the peak leaves the request's headroom free
     fits_host: bool
     gpu: GPU  # the throughput is estimated for this GPU
     mfu: float | None = None  # --mfu: a given hardware utilisation instead of the per-op model
     compute_scale: float = 1.0  # --calibrate RUN_DIR: measured over modelled compute
+    fits_capacity: bool = True  # the peak fits the GPU's whole memory (False with fits_gpu: the headroom decided)
 
     @property
     def grad_accum(self) -> int:
@@ -111,6 +112,9 @@ class Plan:
     hyperparams: Hyperparams | None = None  # DeepSeek LLM's compute-optimal batch and learning rate for this run
     roles: ParamRoles | None = None  # trainable and frozen parameters (a fine-tune's split; all trainable otherwise)
     quality_note: str | None = None  # why no loss is predicted (a fine-tune)
+    headroom_bytes: int = 0  # GPU memory every candidate left free (request.headroom)
+    ruled_out: tuple[Candidate, ...] = ()  # faster candidates that fit the whole GPU and host RAM, not the headroom
+    released: tuple[tuple[str, ...], Candidate] | None = None  # (pinned flags, what fits without them) when pins forced it
 
     @property
     def fits(self) -> bool:
@@ -376,9 +380,9 @@ def evaluate(req: FitRequest, spec: ModelSpec, seq: int, micro: int, zero: int, 
                                       req.finetune, req.nvme if offload in NVME_OFFLOADS else None,
                                       req.memory_knobs)
     mem = corrected(memory, req.peak_correction)
-    return Candidate(setup=setup, memory=mem, fits_gpu=mem.peak_gpu_bytes <= req.gpu.memory_bytes,
+    return Candidate(setup=setup, memory=mem, fits_gpu=mem.peak_gpu_bytes <= req.usable_bytes,
                      fits_host=mem.host_bytes_per_node <= host_mem, gpu=req.gpu, mfu=req.mfu,
-                     compute_scale=req.compute_scale)
+                     compute_scale=req.compute_scale, fits_capacity=mem.peak_gpu_bytes <= req.gpu.memory_bytes)
 
 
 @lru_cache(maxsize=4096, typed=True)  # one large request (b70 MoE on 8 H100s, not fitting) holds ~3,600
@@ -639,7 +643,58 @@ def fit(req: FitRequest, suggest: bool = True) -> Plan:
                 ladder=ladder(req, closest, global_tokens, host_mem), train_tokens=train_tokens,
                 global_batch_tokens=global_tokens, host_mem_bytes=host_mem, orchestrator=advice,
                 suggestions=suggestions, searched=len(evaluated), quality=quality, hyperparams=hyper,
-                roles=param_roles(req.spec, ft), quality_note=note)
+                roles=param_roles(req.spec, ft), quality_note=note,
+                headroom_bytes=req.gpu.memory_bytes - req.usable_bytes, ruled_out=ruled_out_by_headroom(best, evaluated),
+                released=released_pins(req, global_tokens, host_mem) if suggest and not best else None)
+
+
+# the knobs a request can pin, as (FitRequest fields, flag): released together where they are one choice
+PINS = ((("zero_stage",), "--zero"), (("offload",), "--offload"), (("micro_batch_size",), "--micro-batch"),
+        (("grad_accum",), "--grad-accum"), (("gradient_checkpointing", "checkpointing"), "--checkpointing"),
+        (("ep_size",), "--ep-size"), (("tp_size",), "--tp-size"), (("sp_size",), "--sp-size"),
+        (("pp_size",), "--pp-size"), (("zero_hpz",), "--zero-hpz"),
+        (("zero_quantized_weights", "zero_quantized_gradients"), "--zero-quantize"))
+RULED_OUT_SHOWN = 3
+
+
+def ruled_out_by_headroom(best: Candidate | None, evaluated: list[Candidate]) -> tuple[Candidate, ...]:
+    """The fastest candidates (at most RULED_OUT_SHOWN) that fit the whole GPU and the host RAM but not the headroom,
+    and that would have been chosen without it: faster than the chosen one beyond a tie (SPEED_TIE), or any when
+    nothing fits. What keeping the headroom free cost."""
+    out = [c for c in evaluated if c.fits_capacity and c.fits_host and not c.fits_gpu]
+    if best is not None:
+        out = [c for c in out if c.throughput.tokens_per_second > (1 + SPEED_TIE) * best.throughput.tokens_per_second]
+    out.sort(key=lambda c: -c.throughput.tokens_per_second)
+    return tuple(out[:RULED_OUT_SHOWN])
+
+
+def released_pins(req: FitRequest, global_tokens: int, host_mem: int) -> tuple[tuple[str, ...], Candidate] | None:
+    """When nothing fits: the pinned flag whose release alone lets a configuration fit on these GPUs (the first, in
+    PINS' order), else all of them together if that does; None where the pins are not what rules a fit out."""
+    pinned = [(fields, flag) for fields, flag in PINS if any(getattr(req, f) is not None for f in fields)]
+    if not pinned:
+        return None
+    words = {flag: _pin_words(req, fields, flag) for fields, flag in pinned}
+    tries = [[p] for p in pinned] + ([pinned] if len(pinned) > 1 else [])
+    for group in tries:
+        trial = replace(req, **{f: None for fields, _ in group for f in fields})
+        found = search(trial, trial.spec, global_tokens, host_mem)[0]
+        if found is not None:
+            return tuple(words[flag] for _, flag in group), found
+    return None
+
+
+def _pin_words(req: FitRequest, fields: tuple[str, ...], flag: str) -> str:
+    """ "--zero 0", "--no-checkpointing", "--zero-quantize both": the pin as the user typed it."""
+    value = getattr(req, fields[0])
+    if fields[0] == "gradient_checkpointing":
+        if req.checkpointing is not None:
+            return f"--checkpoint-policy {req.checkpointing}"
+        return "--checkpointing" if value else "--no-checkpointing"
+    if fields[0] == "zero_quantized_weights":
+        w, g = bool(value), bool(req.zero_quantized_gradients)
+        return f"{flag} {'both' if w and g else 'weights' if w else 'gradients' if g else 'none'}"
+    return f"{flag} {value}"
 
 
 def finetune_tokens(req: FitRequest) -> float:

@@ -9,6 +9,7 @@ from adaptive.plan.architecture.presets import ModelSpec
 from adaptive.plan.finetune.method import Finetune
 from adaptive.plan.hardware.gpus import GPU
 from adaptive.plan.quality.predict import LossModel
+from adaptive.plan.search.tight import NO_HEADROOM, Headroom
 from adaptive.record import record
 
 if TYPE_CHECKING:  # a plain `adaptive fit` does not import them
@@ -48,6 +49,7 @@ class FitRequest:
     capacity_factor: float = 1.0
     mfu: float | None = None
     host_mem_bytes: int | None = None  # per node; default: 3x the node's GPU memory
+    headroom: Headroom = NO_HEADROOM  # GPU memory every candidate leaves free (the CLI's default: tight.py's)
     calibration: Calibration | None = None  # measured activations (adaptive measure --save-calibration)
     optimizer: str = "auto"  # optimizers.OPTIMIZERS: the step's transient memory by implementation
     attention: str = "sdpa"  # sdpa | eager (eager keeps the score-sized tensors)
@@ -98,6 +100,11 @@ class FitRequest:
                  ("loss", self.loss, None), ("optimizer_in_backward", self.optimizer_in_backward, False),
                  ("activation_offload", self.activation_offload, False))
         return tuple((name, value) for name, value, default in given if value != default)
+
+    @property
+    def usable_bytes(self) -> int:
+        """What a candidate's peak may reach: the GPU's memory less the headroom."""
+        return self.gpu.memory_bytes - self.headroom.bytes_of(self.gpu.memory_bytes)
 
     @property
     def adapted(self) -> bool:

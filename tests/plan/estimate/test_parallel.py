@@ -230,9 +230,12 @@ def test_the_oom_ladder_offers_sequence_parallel_before_a_shorter_sequence():
 
 
 def test_data_parallel_plans_stay_data_parallel_and_the_search_stays_bounded():
-    plan = fit(make_request(model="b7", gpu="a100-80gb", gpus=8), suggest=False)
+    # at headroom 0, as the count was taken (the default headroom rules out more candidates, so it searches on)
+    plan = fit(make_request(model="b7", gpu="a100-80gb", gpus=8, headroom="0"), suggest=False)
     s = plan.shown.setup
     assert (s.tp_size, s.sp_size, s.zero_hpz) == (1, 1, 1) and plan.searched == 166  # as before issue 12
+    kept = fit(make_request(model="b7", gpu="a100-80gb", gpus=8), suggest=False)
+    assert (kept.shown.setup.tp_size, kept.shown.setup.sp_size) == (1, 1) and kept.searched < 200
     assert fit(_405b(), suggest=False).searched < 1000
 
 

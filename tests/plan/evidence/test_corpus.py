@@ -10,8 +10,11 @@ import pytest
 from adaptive.plan.evidence.corpus import (CONSUMER_TOLERANCE, GPU_HOURS_TOLERANCE, LARGE_GPU_HOURS_RUNS,
                                            LARGE_GPU_HOURS_TOLERANCE, SPEED_TOLERANCE,
                                            comparisons, implied_stack_efficiency, is_dense_up_to_13b, load, predict)
-from adaptive.plan.search.tight import TIGHT_MARGIN
+from adaptive.plan.search.tight import (DEFAULT_HEADROOM, DEFAULT_HEADROOM_FRACTION, NO_HEADROOM, TIGHT_MARGIN,
+                                       headroom_from_underpredictions)
 from tests.conftest import REPO_ROOT
+
+GiB = 2**30
 
 REASON_405B = (
     "+45%: at sequence 8192 a 405B layer stack fits 80 GB under AutoTP only with full recompute (AutoTP keeps 10/34 "
@@ -140,6 +143,27 @@ def test_tight_margin_is_the_largest_peak_underprediction_on_our_stack(predictio
     worst_under = -min(errors)
     assert worst_under > 0
     assert TIGHT_MARGIN == pytest.approx(worst_under, abs=0.005)
+
+
+def test_default_headroom_is_the_largest_peak_underprediction_on_our_stack_rounded_up(predictions):
+    rows = [(p, figure(p, "peak GiB")) for p in predictions
+            if p.entry["stack_kind"] == "ours" and figure(p, "peak GiB") and "peak" not in p.entry.get("exempt", {})]
+    # each row's under-prediction, from the published and predicted peaks themselves
+    worst = max((published - predicted) / published for _, (_, published, predicted, _) in rows)
+    assert 0.12 < worst < 0.13  # gist-llama7b-a800-z3-mb2-gb64: 75.7 GiB measured, 66.1 predicted
+    assert DEFAULT_HEADROOM_FRACTION == headroom_from_underpredictions(f[3] for _, f in rows) == 0.13
+    assert DEFAULT_HEADROOM.fraction == DEFAULT_HEADROOM_FRACTION
+    # a plan keeping that fraction free stays in memory at the worst row's measured/predicted ratio
+    assert (1 - DEFAULT_HEADROOM_FRACTION) / (1 - worst) <= 1
+
+
+def test_the_corpus_checks_its_predictions_against_the_whole_gpu(predictions):
+    """The fit/OOM calls check the prediction, not the safety margin: the corpus plans at headroom 0. Every run of
+    our stack that ran would also fit with the default headroom kept free."""
+    assert all(p.plan.request.headroom == NO_HEADROOM and p.plan.headroom_bytes == 0 for p in predictions)
+    ran = [p for p in predictions if p.entry["stack_kind"] == "ours" and p.entry["outcome"].get("ran")]
+    capacity = {p.id: p.plan.request.gpu.memory_bytes for p in ran}
+    assert all(p.peak_gib * GiB <= (1 - DEFAULT_HEADROOM_FRACTION) * capacity[p.id] for p in ran)
 
 
 def test_benchmarks_doc_lists_every_corpus_entry():
