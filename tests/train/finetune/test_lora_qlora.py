@@ -13,6 +13,7 @@ prompt/completion rows (plain python, one process); the other two pairings are s
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -198,5 +199,13 @@ def test_a_lora_run_sigkilled_after_a_checkpoint_resumes_to_the_uninterrupted_lo
     log = resumed.stdout + resumed.stderr
     assert "resumed from" in log and "ignored: the checkpoint resumed" not in log  # the base is --init-from's
     assert losses(out) == losses(baseline.out)  # bitwise: == on the floats metrics.jsonl holds
+    # the end-of-run summary counts this launch's wall time and speed, and says so; the first launch's steps count too
+    end = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert end["kind"] == "end" and (end["launches"], end["first_step"], end["train_steps"]) == (2, 8, end["step"] - 8)
+    assert end["train_seconds_total"] > end["train_seconds"] > 0 and end["tokens_per_s"] > 0
+    assert (end["adapter"], end["finetune"]) == (str(out / "adapter"), "lora")
+    for line in ("(this launch; resumed at step 8)", f"adapter     {out / 'adapter'}", f"HF model    {out / 'hf'}",
+                 "'content': 'Hello!'}], max_new_tokens=20)[0]['generated_text'][-1]['content']"):
+        assert line in log, log[-3000:]
     ours, theirs = (load_file(run / "adapter" / "adapter_model.safetensors") for run in (out, baseline.out))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
