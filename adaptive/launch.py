@@ -222,10 +222,10 @@ def plan_launch(req: LaunchRequest) -> Launch:
         raise AdaptiveError(f"{preset} {arch} does not fit {request.world_size} x {request.gpu.name}{hint}")
     run_dir = Path(config.output.output_dir or f"runs/{preset}_{arch}").resolve()
     if not req.dry_run:  # the recipe would refuse too, after launch had written over the run's configs
-        from adaptive.train.run_folder.ownership import check_fresh_start
+        from adaptive.train.run_folder.ownership import check_fresh_start, starts_fresh
 
         check_fresh_start(run_dir, config.output.resume, config.output.overwrite)
-        if config.output.resume:
+        if config.output.resume and not starts_fresh(run_dir, config.output.resume):  # the recipe says so
             _require_a_checkpoint(config.output.resume, run_dir)
     files = {"ds_config": run_dir / "ds_config.json", "accelerate_config": run_dir / "accelerate_config.yaml",
              "plan": run_dir / "plan.json"}

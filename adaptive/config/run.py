@@ -334,8 +334,8 @@ class OutputOptions:
         help="Run folder: configs, metrics.jsonl, checkpoints/, hf/ (default runs/PRESET_ARCH).")
     resume: str | None = option(
         None, "--resume", commands=RUN, bare="auto",
-        help="Continue from the newest complete checkpoint of --output-dir ('auto'), or of PATH; refused when "
-             "there is none.")
+        help="Continue from the newest complete checkpoint of --output-dir ('auto'; a folder that holds no run "
+             "starts fresh, saying so), or of PATH; refused when there is none.")
     overwrite: bool = option(
         False, "--overwrite", commands=RUN,
         help="Start a fresh run in an --output-dir that holds one, deleting its metrics, events, trackers' logs, "

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from adaptive.config.run import RunConfig
 from adaptive.errors import AdaptiveError
 from adaptive.train.run.callbacks import Callback, CallbackList, TrainerState
-from adaptive.train.run_folder.ownership import RunLock, check_fresh_start, clear_run
+from adaptive.train.run_folder.ownership import RunLock, check_fresh_start, clear_run, starts_fresh
 from adaptive.train.reporting.trackers import resolve as resolve_trackers
 
 
@@ -81,11 +81,15 @@ def claim_run_folder(partial: Any, output_dir: Path, resume: str | None,
     from accelerate.logging import get_logger
     from accelerate.utils import broadcast_object_list
 
-    from adaptive.train.run_folder.checkpoint import find_checkpoint, os_reason
+    from adaptive.train.run_folder.checkpoint import CHECKPOINTS, find_checkpoint, os_reason
 
     lock, shared = None, [None, None]  # the checkpoint, the error
     if partial.is_main_process:
         try:
+            if starts_fresh(output_dir, resume):
+                get_logger(__name__).warning("--resume auto: no checkpoint in %s; starting fresh",
+                                             output_dir / CHECKPOINTS)
+                resume = None
             if resume:  # looked up before the lock: a refused --resume creates nothing
                 path = find_checkpoint(resume, output_dir)
                 if path is None:

@@ -47,7 +47,7 @@ class StartMode:
 def start_mode(resume: str | None, overwrite: bool, output_dir: Path,
                environ: Mapping[str, str] | None = None) -> StartMode:
     """The user's --resume/--overwrite on a first start; on a restart, the newest complete checkpoint of
-    `output_dir` ('auto') when there is one, else the user's --resume (None: a fresh start), never
+    `output_dir` ('auto') when there is one, else the user's --resume PATH (None: a fresh start), never
     --overwrite. Sizes are checked here; the main process verifies the digests before it loads anything."""
     count = restart_count(environ)
     if count == 0:
@@ -55,7 +55,9 @@ def start_mode(resume: str | None, overwrite: bool, output_dir: Path,
     from adaptive.train.run_folder.checkpoint import find_checkpoint
 
     own = find_checkpoint("auto", Path(output_dir), digests=False) is not None
-    return StartMode("auto" if own else resume, False, check_fresh=False, restart=count)
+    # with none, a --resume auto (the first attempt started fresh, or resumed nothing) starts fresh again
+    return StartMode("auto" if own else None if resume == "auto" else resume, False, check_fresh=False,
+                     restart=count)
 
 
 __all__ = ["RESTART_COUNT_VARS", "StartMode", "restart_count", "start_mode"]

@@ -47,6 +47,12 @@ def check_fresh_start(folder: Path, resume: str | None, overwrite: bool) -> None
                             "--overwrite to replace it, or another --output-dir")
 
 
+def starts_fresh(folder: Path, resume: str | None) -> bool:
+    """`--resume auto` where there is nothing to resume: the folder holds no run (no checkpoint, metrics or
+    export), so the run starts fresh and says so. A folder whose run cannot be resumed is refused instead."""
+    return resume == "auto" and not run_files(folder)
+
+
 def clear_run(folder: Path) -> list[str]:
     """Delete a previous run's files (`--overwrite`); the configs stay. Returns what was deleted."""
     found = run_files(folder)
@@ -96,4 +102,4 @@ def _read(fd: int) -> str:
         return ""
 
 
-__all__ = ["LOCK_FILE", "RunLock", "check_fresh_start", "clear_run", "run_files"]
+__all__ = ["LOCK_FILE", "RunLock", "check_fresh_start", "clear_run", "run_files", "starts_fresh"]

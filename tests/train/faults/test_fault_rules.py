@@ -41,6 +41,7 @@ def test_a_restart_resumes_its_newest_complete_checkpoint_or_starts_afresh_and_n
     assert (fresh.resume, fresh.overwrite, fresh.check_fresh, fresh.restart) == (None, False, False, 1)
     (tmp_path / "checkpoints" / ".tmp-step_00000004").mkdir(parents=True)  # a write a failure cut short
     assert start_mode(None, False, tmp_path, {"SLURM_RESTART_COUNT": "1"}).resume is None
+    assert start_mode("auto", False, tmp_path, {"SLURM_RESTART_COUNT": "1"}).resume is None  # resumes nothing: fresh
     complete_checkpoint(tmp_path, 2)
     mode = start_mode("/elsewhere/step_00000001", True, tmp_path, {"TORCHELASTIC_RESTART_COUNT": "1"})
     assert (mode.resume, mode.overwrite, mode.check_fresh) == ("auto", False, False)

@@ -271,10 +271,25 @@ def test_a_second_fresh_run_into_a_run_folder_is_refused_and_changes_nothing(bas
 
 
 @pytest.mark.slow
-def test_resume_with_nothing_to_resume_is_refused_and_creates_nothing(base, tmp_path):
-    empty = tmp_path / "never-ran"
-    line = one_error_line(recipe("debug_dense", *FLAGS, "--output-dir", str(empty), "--resume", home=base["home"]))
-    assert "holds no checkpoint that verifies" in line and not empty.exists()
+def test_resume_auto_with_nothing_to_resume_starts_fresh_saying_so_and_a_missing_path_is_refused(tmp_path):
+    home, run = tmp_path / "home", tmp_path / "never-ran"
+    done = recipe("debug_dense", *FLAGS, "--max-steps", "4", "--output-dir", str(run), "--resume", home=home)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"--resume auto: no checkpoint in {run / 'checkpoints'}; starting fresh" in done.stdout + done.stderr
+    assert [s["step"] for s in records(run, "start")] == [0] and (run / "checkpoints" / "step_00000004").is_dir()
+    again = recipe("debug_dense", *FLAGS, "--max-steps", "6", "--output-dir", str(run), "--resume", "auto", home=home)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "starting fresh" not in again.stdout + again.stderr
+    starts = records(run, "start")
+    assert [s["step"] for s in starts] == [0, 4] and starts[1]["resumed_from"].endswith("step_00000004")
+    nowhere = tmp_path / "nowhere"
+    line = one_error_line(recipe("debug_dense", *FLAGS, "--output-dir", str(tmp_path / "other"), "--resume",
+                                 str(nowhere), home=home))
+    assert f"--resume {str(nowhere)!r} does not exist" in line and not (tmp_path / "other").exists()
+
+
+@pytest.mark.slow
+def test_resume_of_a_run_whose_checkpoints_are_all_broken_is_refused_and_changes_nothing(base, tmp_path):
     # a run whose every checkpoint is broken: its metrics and hf/ are the only intact artefacts, and stay so
     run = copy_of(base, tmp_path)
     for manifest in (run / "checkpoints").glob("step_*/COMPLETE.json"):
