@@ -134,3 +134,21 @@ def test_a_run_without_the_orchestrator_says_it_was_off_and_why(tmp_path, capsys
     shown = " ".join(capsys.readouterr().out.split())
     assert "off (--orchestrator auto; a short run)" in shown, shown
     assert (tmp_path / "report.png").stat().st_size > 0
+
+
+def test_a_gpu_run_draws_its_gpu_memory_and_an_mfu_scale(tmp_path):
+    """MFU is tokens/s times a constant while the seq_len in force stays: a second scale of the throughput axis."""
+    rows = [{"kind": "start", "step": 0, "preset": "b1", "arch": "dense", "tokens_per_step": 4096}]
+    rows += [{"kind": "train", "step": s, "interval_steps": 1, "loss": 7.0 - 0.1 * s, "tokens_per_s": tps,
+              "train_seconds": 4096 / tps, "mfu": tps * 1e-5, "peak_rss_bytes": 5 * 2**30,
+              "memory": {"allocated_bytes": 2**30, "peak_allocated_bytes": s * 2**30, "reserved_bytes": 9 * 2**30}}
+             for s, tps in ((1, 30000.0), (2, 40000.0), (3, 41000.0))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = build_figure(load_run(tmp_path))
+    memory = {line.get_label(): list(line.get_ydata()) for line in by_title(fig, "Memory").get_lines()}
+    assert memory == {"GPU peak allocated (interval)": [1.0, 2.0, 3.0], "host peak RSS (so far)": [5.0, 5.0, 5.0]}
+    throughput = by_title(fig, "Throughput")
+    [mfu_axis] = [child for child in throughput.child_axes if child.get_ylabel() == "MFU %"]
+    fig.canvas.draw()
+    low, high = throughput.get_ylim()
+    assert mfu_axis.get_ylim() == pytest.approx((100 * low * 1e-5, 100 * high * 1e-5))

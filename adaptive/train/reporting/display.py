@@ -42,6 +42,16 @@ def configure_logging(is_main: bool) -> None:
     root.setLevel(logging.INFO if is_main else logging.WARNING)
 
 
+def show_block(logger: Any, title: str, lines: list[str]) -> None:
+    """A block of lines the user copies from (paths, commands): in a terminal, printed whole through rich's console
+    (soft wrap: a long command stays one line to copy, where the log handler would wrap it); else one log record."""
+    if interactive():
+        console().print(title + "".join(f"\n  {line}" for line in lines), soft_wrap=True, markup=False,
+                        highlight=False)
+    else:
+        logger.info(title + "".join(f"\n  {line}" for line in lines))
+
+
 class ProgressDisplay:
     """Steps done of the total, speed, ETA and the last logged loss; a no-op when disabled."""
 
@@ -72,4 +82,4 @@ class ProgressDisplay:
         self._progress.update(self._task, completed=step, **fields)
 
 
-__all__ = ["ProgressDisplay", "configure_logging", "console", "interactive"]
+__all__ = ["ProgressDisplay", "configure_logging", "console", "interactive", "show_block"]

@@ -46,7 +46,7 @@ from adaptive.models.checkpointing import apply_checkpointing
 from adaptive.train.run.callbacks import CallbackList, Control, Knobs, TrainerState
 from adaptive.train.run_folder import checkpoint as ckpt
 from adaptive.train.data.batches import SampleIterator, eval_batches
-from adaptive.train.reporting.display import ProgressDisplay
+from adaptive.train.reporting.display import ProgressDisplay, show_block
 from adaptive.train.reporting.metrics import (IntervalMeter, MetricsWriter, StepStats, cuda_memory, mfu, peak_rss_bytes,
                                               read_metrics, train_record)
 from adaptive.train.reporting.summary import LaunchTotals, peak_bytes, summary_lines
@@ -510,7 +510,7 @@ def finish(state: TrainerState, control: Control, loop: Loop) -> None:
            "skipped_steps": state.skipped_steps, **end_summary(state, loop)}
     loop.metrics.write(end)
     if state.is_main_process:
-        logger.info("run finished\n  " + "\n  ".join(summary_lines(end)))
+        show_block(logger, "run finished", summary_lines(end))
 
 
 def end_summary(state: TrainerState, loop: Loop) -> dict[str, Any]:

@@ -64,3 +64,20 @@ def test_a_cpu_pretraining_summary_says_why_there_is_no_mfu_and_offers_the_expor
     assert generate_command("runs/x/hf") == ("python -c \"import adaptive; from transformers import pipeline; g = pipeline("
                                              "'text-generation', model='runs/x/hf'); print(g('The devil is', "
                                              "max_new_tokens=20)[0]['generated_text'])\"")
+
+
+def test_in_a_terminal_the_block_keeps_a_long_command_on_one_line(monkeypatch, tmp_path):
+    import io
+    import logging
+
+    from rich.console import Console
+
+    from adaptive.train.reporting import display
+
+    screen = io.StringIO()
+    monkeypatch.setattr(display, "_console", Console(file=screen, force_terminal=True, width=60))
+    lines = summary_lines({**END, "export": f"{tmp_path}/[bold]hf"})
+    display.show_block(logging.getLogger("test"), "run finished", lines)
+    shown = screen.getvalue().splitlines()
+    assert shown[0] == "run finished" and [line[2:] for line in shown[1:]] == lines  # a line each, none wrapped
+    assert max(map(len, lines)) > 60 and "[bold]hf" in screen.getvalue()  # longer than the screen; no markup read
