@@ -1,4 +1,7 @@
-"""`adaptive export RUN_DIR --format ...`: rewrite a run's HF export in the most portable format (or a named one)."""
+"""`adaptive export RUN_DIR --format ...`: rewrite a run's HF export in the most portable format (or a named one).
+
+An export that exists already is said to in one line, and nothing is written (`--force` writes it).
+"""
 
 from __future__ import annotations
 
@@ -15,10 +18,13 @@ Format = Annotated[str, typer.Option("--format", "-f", help="auto (most portable
                                      "plain MoE, else adaptive), llama, mixtral or adaptive.")]
 Out = Annotated[Optional[Path], typer.Option("--out", "-o", help="Target folder (default: beside the source, "
                                              "named <source>-<format>).")]
-Json = Annotated[bool, typer.Option("--json", help="Print {path, format, reason} as JSON.")]
+Json = Annotated[bool, typer.Option("--json", help="Print {path, format, reason, written} as JSON.")]
+Force = Annotated[bool, typer.Option("--force", help="Write the export even where it exists already (the source "
+                                     "is in that format, or the target holds its conversion of the same files).")]
 
 
-def export(run_dir: RunDir, export_format: Format = "auto", out: Out = None, json_output: Json = False) -> None:
+def export(run_dir: RunDir, export_format: Format = "auto", out: Out = None, json_output: Json = False,
+           force: Force = False) -> None:
     """Convert a run's HF export to llama / mixtral / adaptive, saying why a portable format was not possible."""
     from adaptive.extras import require
 
@@ -30,7 +36,7 @@ def export(run_dir: RunDir, export_format: Format = "auto", out: Out = None, jso
     hf_logging.disable_progress_bar()  # the loading bar is noise on a one-line command
     # loading imports DeepSpeed (through accelerate), whose logger prints to stdout: keep stdout for our output
     with contextlib.redirect_stdout(sys.stderr):
-        path, chosen, written = convert_export(run_dir, export_format, out)
+        path, chosen, written = convert_export(run_dir, export_format, out, force)
     if json_output:
         print(json.dumps({"path": str(path), "format": chosen.format, "reason": chosen.reason, "written": written}))
         return

@@ -92,7 +92,7 @@ def test_export_replaces_an_old_conversion_whole_and_never_a_folder_that_is_not_
     stale = tmp_path / "hf-llama" / "stale.safetensors"
     assert adaptive("export", str(tmp_path)).returncode == 0
     stale.write_text("left by an older conversion")
-    assert adaptive("export", str(tmp_path)).returncode == 0
+    assert adaptive("export", str(tmp_path), "--force").returncode == 0
     assert not stale.exists() and (tmp_path / "hf-llama" / "config.json").exists()
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left beside
     mine = tmp_path / "mine"
@@ -101,3 +101,51 @@ def test_export_replaces_an_old_conversion_whole_and_never_a_folder_that_is_not_
     done = adaptive("export", str(tmp_path), "--out", str(mine))
     assert done.returncode == 2 and "is not an adaptive export" in done.stderr
     assert (mine / "notes.txt").read_text() == "keep me"
+
+
+def routed_export(run_dir, step: int, seed: int = 0) -> None:
+    """A MoD run's final export as the loop writes it: adaptive format, with its modeling code."""
+    from adaptive.models import AdaptiveConfig, AdaptiveForCausalLM
+    from adaptive.models.export import export_pretrained
+
+    torch.manual_seed(seed)
+    config = AdaptiveConfig.from_preset("debug", arch="mod", vocab_size=128, hidden_size=32, intermediate_size=64,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    export_pretrained(AdaptiveForCausalLM(config), run_dir / "hf")
+    (run_dir / "hf" / "adaptive_export.json").write_text(json.dumps({"step": step, "format": "adaptive"}))
+
+
+def mtimes(folder):
+    return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+
+
+def test_an_adaptive_export_with_its_code_is_the_export_nothing_is_written_unless_forced(tmp_path):
+    routed_export(tmp_path, step=40)
+    before = mtimes(tmp_path / "hf")
+    done = adaptive("export", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"{tmp_path / 'hf'}: already holds step 40's export (adaptive format); nothing to " \
+                                  "do (--force rewrites it)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and mtimes(tmp_path / "hf") == before
+    forced = adaptive("export", str(tmp_path), "--force", "--json")
+    assert forced.returncode == 0, forced.stderr
+    assert json.loads(forced.stdout)["written"] is True
+    assert (tmp_path / "hf-adaptive" / "modeling_adaptive.py").is_file()
+
+
+def test_a_conversion_is_not_redone_for_the_same_export_but_is_for_a_newer_one(tmp_path):
+    tiny_export(tmp_path, "dense")  # adaptive format, step 7: converts to llama
+    assert adaptive("export", str(tmp_path)).returncode == 0
+    before = mtimes(tmp_path / "hf-llama")
+    again = adaptive("export", str(tmp_path))
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip() == f"{tmp_path / 'hf-llama'}: already holds step 7's export (llama format); nothing " \
+                                   "to do (--force rewrites it)"
+    assert mtimes(tmp_path / "hf-llama") == before
+    tiny_export(tmp_path, "dense")  # the run exported again (a later step)
+    (tmp_path / "hf" / "adaptive_export.json").write_text(json.dumps({"step": 9, "format": "adaptive"}))
+    newer = adaptive("export", str(tmp_path), "--json")
+    assert newer.returncode == 0, newer.stderr
+    assert json.loads(newer.stdout)["written"] is True
+    assert mtimes(tmp_path / "hf-llama") != before
+    assert json.loads((tmp_path / "hf-llama" / "adaptive_export.json").read_text())["step"] == 9

@@ -6,6 +6,7 @@ seconds), only the model classes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -17,18 +18,23 @@ FINAL_EXPORT = "hf"  # the folder of a run's final export (adaptive.train.run.lo
 PORTABLE = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}  # what a run's export may already be
 
 
-def convert_export(source: Path, export_format: str = "auto",
-                   out: Path | None = None) -> tuple[Path, ExportFormat, bool]:
+def convert_export(source: Path, export_format: str = "auto", out: Path | None = None,
+                   force: bool = False) -> tuple[Path, ExportFormat, bool]:
     """Rewrite an HF export (a run dir's `hf/` folder, or a model folder: adaptive, llama or mixtral) in
     `export_format`.
 
     Writes `out` (default: `<source>-<format>` beside it) with the tokenizer files and `adaptive_export.json`
-    carried over; returns the folder, the `ExportFormat` chosen and True. A llama or mixtral export asked for
-    in its own format (or `auto`) is already what the user wants: nothing is written, and the source folder,
-    its format and False come back.
+    carried over; returns the folder, the `ExportFormat` chosen and True. When the asked-for export exists
+    already, nothing is written and the folder that holds it, its format and False come back:
+    - the source is in that format (a llama or mixtral export, or an adaptive one that carries its modeling
+      code), so it is the export;
+    - the target holds this format's conversion of the same source files (`adaptive_export.json` records their
+      names, sizes and modification times): a newer export of the run (another step) is converted again.
+    `force` writes it anyway.
     """
     from adaptive.errors import AdaptiveError
-    from adaptive.models.export import choose_format, export_pretrained
+    from adaptive.models import AdaptiveConfig
+    from adaptive.models.export import choose_format, export_pretrained, has_remote_code
 
     source = Path(source)
     if (source / FINAL_EXPORT / "config.json").exists():
@@ -37,30 +43,46 @@ def convert_export(source: Path, export_format: str = "auto",
         raise AdaptiveError(f"no HF export in {str(source)!r}: expected config.json there or in its hf/ folder")
     config = json.loads((source / "config.json").read_text(encoding="utf-8"))
     model_type = config.get("model_type")
-    if model_type in PORTABLE and export_format in ("auto", model_type):
+    if model_type in PORTABLE and export_format in ("auto", model_type) and not force:
         return source, ExportFormat(model_type, f"already {model_type}: it loads as {PORTABLE[model_type]} "
                                                 f"as it is; nothing to export"), False
     if model_type not in ("adaptive", *PORTABLE):
         raise AdaptiveError(f"{str(source)!r} holds a {model_type!r} model; adaptive export reads adaptive, llama "
                             "and mixtral exports")
-    model = _load(source, model_type)
-    chosen = choose_format(model.config, model.state_dict(), export_format)
+    model = None
+    if model_type == "adaptive":  # the config alone decides, unless Mixtral is possible: the selection bias may not
+        chosen = choose_format(AdaptiveConfig.from_pretrained(source), None, export_format)
+    if model_type != "adaptive" or chosen.format == "mixtral":
+        model = _load(source, model_type)
+        chosen = choose_format(model.config, model.state_dict(), export_format)
     target = Path(out) if out is not None else source.with_name(f"{source.name}-{chosen.format}")
+    meta_path = source / "adaptive_export.json"
+    meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.exists() else {}
+    fingerprint = source_fingerprint(source)
+    if not force:
+        existing = source if model_type == chosen.format == "adaptive" and has_remote_code(source) else \
+            target if _converted(target, chosen.format, fingerprint) else None
+        if existing is not None:
+            which = f"step {meta['step']}'s export" if isinstance(meta.get("step"), int) else "this export"
+            return existing, ExportFormat(chosen.format, f"already holds {which} ({chosen.format} format); "
+                                                         "nothing to do (--force rewrites it)"), False
     if target.resolve() == source.resolve():
         raise AdaptiveError(f"--out {str(target)!r} is the source folder; pick another")
     if target.exists() and not (target / "adaptive_export.json").is_file():  # replaced whole below: never a stranger
         raise AdaptiveError(f"--out {str(target)!r} exists and is not an adaptive export; choose a new folder")
+    if model is None:
+        model = _load(source, model_type)
     tmp = temporary_name(target)  # written beside, then swapped in whole: an old `target` survives a failure
     try:
         export_pretrained(model, tmp, chosen.format)
         skip = {"config.json", "generation_config.json", "adaptive_export.json"}
-        for file in source.iterdir():
-            if file.is_file() and file.name not in skip and not file.name.endswith((".safetensors", ".json.index")) \
+        for file in source.iterdir():  # the tokenizer's files and the like; the export wrote its weights and code
+            if file.is_file() and file.name not in skip and not file.name.endswith((".safetensors", ".json.index",
+                                                                                    ".py")) \
                     and not file.name.startswith("model"):
                 shutil.copy2(file, tmp / file.name)
-        meta_path = source / "adaptive_export.json"
-        meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.exists() else {}
-        meta.update(format=chosen.format, format_reason=chosen.reason, converted_from=str(source))
+        meta.update(format=chosen.format, format_reason=chosen.reason, converted_from=str(source),
+                    source_fingerprint=fingerprint)
         (tmp / "adaptive_export.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         fsync_tree(tmp)
         replace_dir(tmp, target)
@@ -69,6 +91,25 @@ def convert_export(source: Path, export_format: str = "auto",
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target, chosen, True
+
+
+def source_fingerprint(source: Path) -> str:
+    """The identity of an export's files: a digest of their names, sizes and modification times (reading the
+    weights would cost what converting them does). A new export of the run, or any edit, changes it."""
+    entries = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(source).iterdir()
+                     if f.is_file() and f.name != "adaptive_export.json")
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+
+
+def _converted(target: Path, export_format: str, fingerprint: str) -> bool:
+    """`target` holds the `export_format` conversion of the source files `fingerprint` names, with its weights."""
+    try:
+        meta = json.loads((target / "adaptive_export.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("format") == export_format and \
+        meta.get("source_fingerprint") == fingerprint and (target / "config.json").is_file() and \
+        any(target.glob("*.safetensors"))
 
 
 def _load(source: Path, model_type: str):
@@ -87,4 +128,4 @@ def _load(source: Path, model_type: str):
     return model.eval()
 
 
-__all__ = ["FINAL_EXPORT", "convert_export"]
+__all__ = ["FINAL_EXPORT", "convert_export", "source_fingerprint"]
