@@ -100,10 +100,12 @@ class LaunchTotals:
         return tokens / seconds if seconds > 0 else None
 
 
-def generate_command(hf_dir: Path | str, chat: bool = False) -> str:
-    """A one-line check that the export loads and generates (`import adaptive` registers our model classes)."""
+def generate_command(hf_dir: Path | str, chat: bool = False, remote_code: bool = False) -> str:
+    """A one-line check that the export loads and generates with transformers alone (`remote_code`: the export
+    carries its modeling code, MoD and hybrid, which transformers runs only when trusted)."""
     prompt, answer = ("[{'role': 'user', 'content': 'Hello!'}]", "[-1]['content']") if chat else ("'The devil is'", "")
-    code = (f"import adaptive; from transformers import pipeline; g = pipeline('text-generation', model={str(hf_dir)!r}); "
+    trust = ", trust_remote_code=True" if remote_code else ""
+    code = (f"from transformers import pipeline; g = pipeline('text-generation', model={str(hf_dir)!r}{trust}); "
             f"print(g({prompt}, max_new_tokens=20)[0]['generated_text']{answer})")
     plain = not any(c in str(hf_dir) for c in "'\"$`\\!")  # else the shell's own quoting, harder to read
     return f'python -c "{code}"' if plain else f"python -c {shlex.quote(code)}"
@@ -147,10 +149,12 @@ def summary_lines(end: dict[str, Any]) -> list[str]:
         lines.append(f"adapter     {end['adapter']}")
     lines.append("next:")
     lines.append(f"  adaptive report {shlex.quote(str(run_dir))}")
-    if end.get("export") and not end.get("finetune"):  # ours: rewrite as llama / mixtral where it computes the same
+    if end.get("export_remote_code"):  # adaptive's format (MoD, hybrid): export says why no portable one fits
         lines.append(f"  adaptive export {shlex.quote(str(run_dir))}")
     if end.get("export"):
-        lines.append(f"  {generate_command(end['export'], chat=bool(end.get('finetune')))}")
+        command = generate_command(end["export"], chat=bool(end.get("finetune")),
+                                   remote_code=bool(end.get("export_remote_code")))
+        lines.append(f"  {command}")
     return lines
 
 

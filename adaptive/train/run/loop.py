@@ -507,10 +507,19 @@ def finish(state: TrainerState, control: Control, loop: Loop) -> None:
         evaluate(state, control, loop)
     path = export(state, loop, state.output_dir / FINAL_EXPORT)
     end = {"kind": "end", "step": state.step, "time": time.time(), "export": str(path),
-           "skipped_steps": state.skipped_steps, **end_summary(state, loop)}
+           "export_remote_code": exported_with_code(path), "skipped_steps": state.skipped_steps,
+           **end_summary(state, loop)}
     loop.metrics.write(end)
     if state.is_main_process:
         show_block(logger, "run finished", summary_lines(end))
+
+
+def exported_with_code(path: Path) -> bool:
+    """The export carries its modeling code (config.json's auto_map: MoD, hybrid), loaded with trust_remote_code."""
+    try:
+        return "auto_map" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def end_summary(state: TrainerState, loop: Loop) -> dict[str, Any]:

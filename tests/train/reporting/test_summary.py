@@ -53,17 +53,22 @@ def test_a_resumed_fine_tunes_summary_names_its_launch_adapter_and_chat_command(
     assert "adaptive export" not in text  # transformers' own class: nothing to rewrite
 
 
-def test_a_cpu_pretraining_summary_says_why_there_is_no_mfu_and_offers_the_export():
+def test_a_cpu_pretraining_summary_says_why_there_is_no_mfu_and_offers_report_and_generate():
     end = {**END, "launches": 1, "device": "cpu", "mfu": None, "peak_memory_kind": "cpu_rss", "adapter": None,
            "finetune": None, "export": "runs/a b/hf", "run_dir": "runs/a b"}
     text = "\n".join(summary_lines(end))
     assert "resumed" not in text and "MFU n/a (no peak FLOP/s for a CPU)" in text
     assert "3.00 GiB process peak RSS" in text and "host peak RSS" not in text
-    assert "adaptive report 'runs/a b'" in text and "adaptive export 'runs/a b'" in text
+    assert "adaptive report 'runs/a b'" in text
+    assert "adaptive export" not in text  # a Llama export: `adaptive export` would have nothing to do
     assert generate_command("runs/a b/hf") in text
-    assert generate_command("runs/x/hf") == ("python -c \"import adaptive; from transformers import pipeline; g = pipeline("
+    assert generate_command("runs/x/hf") == ("python -c \"from transformers import pipeline; g = pipeline("
                                              "'text-generation', model='runs/x/hf'); print(g('The devil is', "
                                              "max_new_tokens=20)[0]['generated_text'])\"")
+    # a MoD or hybrid export carries its modeling code: transformers runs it only when trusted
+    assert "model='runs/x/hf', trust_remote_code=True)" in generate_command("runs/x/hf", remote_code=True)
+    remote = "\n".join(summary_lines({**end, "export_remote_code": True}))
+    assert "trust_remote_code" in remote and "adaptive export 'runs/a b'" in remote  # it says why no portable format
 
 
 def test_in_a_terminal_the_block_keeps_a_long_command_on_one_line(monkeypatch, tmp_path):
