@@ -139,3 +139,11 @@ def test_one_rounding_of_gib_in_header_tables_first_line_and_catalog():
     gpus = adaptive("gpus").stdout
     row = next(x for x in gpus.splitlines() if x.strip().startswith("rtx4090-24gb"))
     assert row.split()[1] == f"{get_gpu('rtx4090').memory_bytes / GiB:,.2f}" == "23.99"
+
+
+def test_pins_that_did_not_decide_a_refusal_alone_are_named_beside_it():
+    # b7 on one A100-40GB does not fit even unpinned (host RAM): the pins are said, not blamed
+    d = fit_json("--model", "b7", "--gpu", "a100-40gb", "--zero", "0", "--micro-batch", "2")
+    assert d["answer"]["decided_by"] == "gpu" and d["zero_stage"] == 0
+    assert d["answer"]["reason"].endswith("GiB kept); pinned: --zero 0, --micro-batch 2")
+    assert fit_json("--model", "b7", "--gpu", "a100-40gb")["answer"]["decided_by"] == "host"

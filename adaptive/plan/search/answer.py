@@ -89,17 +89,18 @@ def answer(plan: Plan) -> Answer:
                 f"(without {'it' if len(pins) == 1 else 'them'}: {brief(freed)})")
         return Answer(head, False, "pin", f"{text}; {gpu_words(plan, c)}")
     m = c.memory
+    pinned = f"; pinned: {', '.join(plan.pinned)}" if plan.pinned else ""
     if c.fits_gpu:
         where = "NVMe offload's pinned buffers need" if c.setup.offload_device == "nvme" else "CPU offload needs"
         how = "assumed" if req.host_mem_bytes is None else "given"
         text = f"{where} {format_gib(m.host_bytes_per_node)} host RAM, {format_gib(plan.host_mem_bytes)} {how} (--host-mem)"
-        return Answer(head, False, "host", f"{text}; {gpu_words(plan, c)}")
+        return Answer(head, False, "host", f"{text}; {gpu_words(plan, c)}{pinned}")
     if c.fits_capacity:
         h = req.headroom
         text = (f"the peak fits the GPU but not the headroom {h.words(req.gpu.memory_bytes)} "
                 f"({'--headroom' if h.given else 'the default: --headroom 0 plans against the whole GPU'})")
-        return Answer(head, False, "headroom", f"{text}; {gpu_words(plan, c)}")
-    return Answer(head, False, "gpu", f"GPU memory: the smallest peak exceeds the GPU; {gpu_words(plan, c)}")
+        return Answer(head, False, "headroom", f"{text}; {gpu_words(plan, c)}{pinned}")
+    return Answer(head, False, "gpu", f"GPU memory: the smallest peak exceeds the GPU; {gpu_words(plan, c)}{pinned}")
 
 
 def budget_answer(result: BudgetResult) -> Answer:

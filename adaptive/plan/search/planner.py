@@ -17,7 +17,7 @@ from adaptive.plan.search.finetune_rules import (finetune_error, finetune_rungs,
                                                  transformers_moe)
 from adaptive.plan.search.request import DeepSpeedBuckets, FitRequest
 from adaptive.plan.search.stack_rules import stack_error, stages_and_offloads
-from adaptive.plan.hardware.gpus import CATALOG, GPU
+from adaptive.plan.hardware.gpus import CATALOG, GPU, format_gib
 from adaptive.plan.estimate.memory import MemoryEstimate, TrainSetup, corrected, estimate_memory
 from adaptive.plan.estimate.parallel import Layout, divisors_up_to, layout_error
 from adaptive.plan.architecture.params import ParamCounts, count_params
@@ -115,6 +115,7 @@ class Plan:
     headroom_bytes: int = 0  # GPU memory every candidate left free (request.headroom)
     ruled_out: tuple[Candidate, ...] = ()  # faster candidates that fit the whole GPU and host RAM, not the headroom
     released: tuple[tuple[str, ...], Candidate] | None = None  # (pinned flags, what fits without them) when pins forced it
+    pinned: tuple[str, ...] = ()  # the pins as typed ("--zero 0"), said beside a refusal they did not decide alone
 
     @property
     def fits(self) -> bool:
@@ -645,7 +646,8 @@ def fit(req: FitRequest, suggest: bool = True) -> Plan:
                 suggestions=suggestions, searched=len(evaluated), quality=quality, hyperparams=hyper,
                 roles=param_roles(req.spec, ft), quality_note=note,
                 headroom_bytes=req.gpu.memory_bytes - req.usable_bytes, ruled_out=ruled_out_by_headroom(best, evaluated),
-                released=released_pins(req, global_tokens, host_mem) if suggest and not best else None)
+                released=released_pins(req, global_tokens, host_mem) if suggest and not best else None,
+                pinned=tuple(_pin_words(req, fields, flag) for fields, flag in pins_of(req)) if suggest else ())
 
 
 # the knobs a request can pin, as (FitRequest fields, flag): released together where they are one choice
@@ -671,7 +673,7 @@ def ruled_out_by_headroom(best: Candidate | None, evaluated: list[Candidate]) ->
 def released_pins(req: FitRequest, global_tokens: int, host_mem: int) -> tuple[tuple[str, ...], Candidate] | None:
     """When nothing fits: the pinned flag whose release alone lets a configuration fit on these GPUs (the first, in
     PINS' order), else all of them together if that does; None where the pins are not what rules a fit out."""
-    pinned = [(fields, flag) for fields, flag in PINS if any(getattr(req, f) is not None for f in fields)]
+    pinned = pins_of(req)
     if not pinned:
         return None
     words = {flag: _pin_words(req, fields, flag) for fields, flag in pinned}
@@ -682,6 +684,11 @@ def released_pins(req: FitRequest, global_tokens: int, host_mem: int) -> tuple[t
         if found is not None:
             return tuple(words[flag] for _, flag in group), found
     return None
+
+
+def pins_of(req: FitRequest) -> list[tuple[tuple[str, ...], str]]:
+    """The PINS the request pins."""
+    return [(fields, flag) for fields, flag in PINS if any(getattr(req, f) is not None for f in fields)]
 
 
 def _pin_words(req: FitRequest, fields: tuple[str, ...], flag: str) -> str:
@@ -813,7 +820,7 @@ def describe(c: Candidate) -> str:
                                    ("qgZ", s.zero_quantized_gradients)) if on)
     mp += f", ZeRO++ {pp}" if pp else ""
     return (f"ZeRO-{s.zero_stage}{off}, micro-batch {s.micro_batch_size} x {c.grad_accum} accumulation{ckpt}{ep}{mp}, "
-            f"peak {c.memory.peak_gpu_bytes / 2**30:.1f} GiB")
+            f"peak {format_gib(c.memory.peak_gpu_bytes)}")
 
 
 def host_mem_for(req: FitRequest) -> int:
