@@ -43,3 +43,13 @@ def test_every_candidate_the_search_keeps_leaves_the_headroom_free():
         # the OOM playbook's rungs are held to the same capacity
         for step in p.ladder:
             assert step.fits_gpu == (step.peak_gpu_bytes <= cap - h.bytes_of(cap))
+
+
+def test_the_headroom_flags_help_states_the_default_it_plans_with():
+    import dataclasses
+
+    from adaptive.config.run import HardwareOptions
+    from adaptive.plan.search.tight import DEFAULT_HEADROOM_FRACTION
+
+    flag = next(f for f in dataclasses.fields(HardwareOptions) if f.name == "headroom").metadata["flag"]
+    assert f"Default {DEFAULT_HEADROOM_FRACTION:.0%}:" in flag.help
