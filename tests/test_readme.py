@@ -211,6 +211,12 @@ def test_every_adaptive_command_in_the_pages_exits_as_documented(tmp_path, monke
     (tmp_path / "recipes").symlink_to(REPO_ROOT / "recipes")
     (tmp_path / "examples").symlink_to(REPO_ROOT / "examples")  # config.json files of downloaded checkpoints
     (tmp_path / "hosts").write_text("node-a slots=8\nnode-b slots=8\n")
+    for line in lines:  # a fine-tune's download folder: a tiny Llama with the same name
+        args = split_comment(line)[0]
+        if "--init-from" in args and not (tmp_path / args[args.index("--init-from") + 1]).exists():
+            from tests.train.finetune._checkpoints import write_llama
+
+            write_llama(tmp_path / args[args.index("--init-from") + 1])
     for line in lines:
         args, exits = split_comment(line)
         args = args[1:]
