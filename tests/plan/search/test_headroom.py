@@ -53,3 +53,15 @@ def test_the_headroom_flags_help_states_the_default_it_plans_with():
 
     flag = next(f for f in dataclasses.fields(HardwareOptions) if f.name == "headroom").metadata["flag"]
     assert f"Default {DEFAULT_HEADROOM_FRACTION:.0%}:" in flag.help
+
+
+def test_the_fine_tune_corpus_checks_its_predictions_against_the_whole_gpu():
+    """Its fit/OOM calls test the prediction, not the margin: runs that ran within 13% of their GPU (LitGPT's 13B LoRA
+    on an A100-40GB, Mistral-7B LoRA on an A10G) would be refused with the default kept free."""
+    from adaptive.plan.evidence.finetune_corpus import predictions
+
+    found = predictions()
+    assert all(p.plan.request.headroom == NO_HEADROOM for p in found)
+    close = [p.id for p in found if p.entry["outcome"].get("ran") and p.fits
+             and p.memory.peak_gpu_bytes > (1 - DEFAULT_HEADROOM.fraction) * p.plan.request.gpu.memory_bytes]
+    assert "litgpt-llama2-13b-lora-mb1-1xa100-40gb" in close
