@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shlex
 from pathlib import Path
@@ -33,10 +32,6 @@ def launch(
     Run options go to the recipe; arguments after `--` go to it as they are."""
     from adaptive.launch import LaunchRequest, plan_launch, run_launch
 
-    if importlib.util.find_spec("torch") is not None:  # a planner-only install plans without torch
-        from adaptive.engine import name_cpu_accelerator
-
-        name_cpu_accelerator()  # planning a checkpoint's run imports DeepSpeed: no accelerator warning on a CPU
     request = LaunchRequest(
         recipe=str(recipe), config=config, hostfile=str(hostfile) if hostfile else None,
         main_process_ip=main_process_ip, main_process_port=main_process_port, machine_rank=machine_rank,
