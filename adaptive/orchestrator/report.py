@@ -35,7 +35,17 @@ from typing import Any
 from adaptive.errors import AdaptiveError
 from adaptive.orchestrator.events import EVENTS_FILE
 from adaptive.orchestrator.run_records import read_records
-from adaptive.train.reporting.summary import peak_bytes
+
+
+def peak_bytes(record: dict[str, Any]) -> int | None:
+    """A train record's peak memory: the CUDA device's peak allocated, else (a CPU run) the process's peak RSS.
+    The loop's end-of-run summary reads them alike (train/reporting/summary.py); the orchestrator may not import
+    the loop's modules (tests/test_import_graph.py)."""
+    memory = record.get("memory")
+    if memory and memory.get("peak_allocated_bytes") is not None:
+        return memory["peak_allocated_bytes"]
+    return record.get("peak_rss_bytes")
+
 
 METRICS_FILE = "metrics.jsonl"
 REPORT_FILE = "report.png"
