@@ -59,12 +59,9 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
     # the ops this config loads (CPU Adam, async_io), compiled now where they must be, said before and after:
     # DeepSpeed compiles them silently inside deepspeed.initialize. Every rank loads them (one compiles, under
     # torch's lock in the op's folder, the others wait for it there rather than at a collective's timeout).
-    from accelerate.logging import get_logger
-
     from adaptive.engine import compile_ops, ops_a_run_loads
 
-    compile_ops(ops_a_run_loads(plan.ds_config, cpu=False), get_logger(__name__).warning
-                if partial.is_main_process else None)
+    compile_ops(ops_a_run_loads(plan.ds_config, cpu=False), setup.announce if partial.is_main_process else None)
     lock, resume_from = claim_run_folder(partial, output_dir, mode.resume, mode.overwrite)
     try:
         return _train(config, preset, arch, callbacks, plugins, partial, plan, world, output_dir, resume_from,

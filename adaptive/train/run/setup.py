@@ -77,15 +77,20 @@ def init_distributed(collective_timeout: float | None = None) -> Any:
     restart_scoped_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout.get("timeout"))
     if torch.cuda.is_available():
         return PartialState(**timeout)
-    # compiled here, said first, where DeepSpeed's process-group init would compile it silently; plain logging:
-    # accelerate's needs the state made below
-    say = logging.getLogger(__name__).warning if os.environ["RANK"] == "0" else None
+    # compiled here, said first, where DeepSpeed's process-group init would compile it silently
+    say = announce if os.environ["RANK"] == "0" else None
     compile_ops(["ShareMemCommBuilder"], say)
     # DeepSpeed prints that it built the op when it only loaded the compiled one
     with prints_held(shm_comm_op_built_line):
         # Without CUDA, accelerate picks no backend for DeepSpeed and then counts one process per rank;
         # naming gloo makes it read the world from the process group DeepSpeed initialises.
         return PartialState(backend="gloo", **timeout)
+
+
+def announce(line: str) -> None:
+    """A one-off notice of the run's progress (a DeepSpeed op compiling), on stdout: stderr keeps the run's log, and
+    a run that stops on bad input says only why, in one line."""
+    print(line, flush=True)
 
 
 def restart_scoped_process_group(backend: str, timeout: Any) -> None:
@@ -334,4 +339,5 @@ def peak_lr(lr: float | None, preset: str) -> float:
 __all__ = ["ADAM_BETAS", "ADAM_EPS", "DEFAULT_LR", "Data", "build_model", "build_optimizer", "build_scheduler",
            "default_warmup", "ensure_process_group_env", "init_distributed", "load_data", "make_accelerator",
            "restart_scoped_process_group",
-           "param_groups", "peak_lr", "quiet_libraries", "reinit_local_experts", "resolve_dataset", "tokenizer_source"]
+           "announce", "param_groups", "peak_lr", "quiet_libraries", "reinit_local_experts", "resolve_dataset",
+           "tokenizer_source"]
