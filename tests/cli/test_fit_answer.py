@@ -86,6 +86,8 @@ def test_brief_answers_fine_tunes_and_budgets_in_one_line():
     assert full.stdout.startswith("llama-3.1-8b dense, full fine-tune on 1 x rtx4090-24gb: DOES NOT FIT: ")
     q = adaptive("fit", "--model", cfg, "--gpu", "rtx4090", "--finetune", "qlora", "--brief")
     assert q.returncode == 0 and q.stdout.count("\n") == 1 and ": FITS: GPU " in q.stdout
+    cost = json.loads(adaptive("fit", "--model", cfg, "--gpu", "rtx4090", "--finetune", "qlora", "--json").stdout)["cost_usd"]
+    assert cost < 100 and q.stdout.endswith(f", ${cost:,.2f}\n")  # cents, as the cost row: not "$1" for $0.66
     b = adaptive("fit", "--budget-usd", "2000", "--gpu", "a100-80gb", "--gpus", "8", "--brief")
     assert b.returncode == 0 and b.stdout.count("\n") == 1
     d = json.loads(adaptive("fit", "--budget-usd", "2000", "--gpu", "a100-80gb", "--gpus", "8", "--json").stdout)

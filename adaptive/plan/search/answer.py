@@ -82,7 +82,7 @@ def answer(plan: Plan) -> Answer:
     """The first line's words after "MODEL ARCH on N x GPU: "."""
     req, c, head = plan.request, plan.shown, title(plan)
     if plan.fits:
-        return Answer(head, True, "fits", f"{gpu_words(plan, c)}, {duration(plan.hours)}, ${plan.cost:,.0f}")
+        return Answer(head, True, "fits", f"{gpu_words(plan, c)}, {duration(plan.hours)}, {usd(plan.cost)}")
     if plan.released is not None:
         pins, freed = plan.released
         text = (f"{' '.join(pins)} rule{'s' if len(pins) == 1 else ''} out every fit "
@@ -110,7 +110,7 @@ def budget_answer(result: BudgetResult) -> Answer:
     loss = f", loss {q.predicted_loss:.3f} ({q.band[0]:.3f}-{q.band[1]:.3f})" if q is not None else ""
     return Answer(f"{result.budget.describe()} on {req.world_size} x {req.gpu.name}", True, "fits",
                   f"{spec.name} {spec.arch} on {best.train_tokens / 1e9:,.1f}B tokens{loss}; "
-                  f"{gpu_words(best, best.shown)}, {duration(best.hours)}, ${best.cost:,.0f}")
+                  f"{gpu_words(best, best.shown)}, {duration(best.hours)}, {usd(best.cost)}")
 
 
 def first_line(result: Plan | BudgetResult) -> Answer:
@@ -128,4 +128,10 @@ def headroom_note(plan: Plan) -> str | None:
             + "; ".join(brief(c) for c in plan.ruled_out))
 
 
-__all__ = ["Answer", "answer", "brief", "budget_answer", "first_line", "duration", "gpu_words", "headroom_note", "title"]
+def usd(dollars: float) -> str:
+    """Dollars as the plan's cost row shows them: cents below $100 (a fine-tune's $0.66), whole dollars above."""
+    return f"${dollars:,.2f}" if dollars < 100 else f"${dollars:,.0f}"
+
+
+__all__ = ["Answer", "answer", "brief", "budget_answer", "first_line", "duration", "gpu_words", "headroom_note", "title",
+           "usd"]
