@@ -27,8 +27,8 @@ class SweepView(Events):
                                  transient=False)
         self.overall: Any = None
         self.tasks: dict[str, Any] = {}
-        self.finished: list[tuple[float, float]] = []  # (FLOPs, seconds) of each point timed so far
-        self.remaining: dict[str, float] = {p.name: p.flops for p in points}  # name -> FLOPs, not yet finished
+        self.finished: list[tuple[float, float]] = []  # (tokens, seconds) of each point timed so far (eta.py)
+        self.remaining: dict[str, float] = {p.name: p.tokens for p in points}  # name -> tokens, not yet finished
         self.status: Any = None  # the fit's status line, while it runs
         self.refits, self.fit_text = 0, ""
 
@@ -47,7 +47,7 @@ class SweepView(Events):
             if p["status"] != state.PENDING and name in self.remaining:
                 del self.remaining[name]
                 if p.get("seconds"):  # a point harvested from its run folder was not timed
-                    self.finished.append((p["flops"], p["seconds"]))
+                    self.finished.append((p["tokens"], p["seconds"]))
         self.overall = self.progress.add_task("[bold]sweep points", total=len(points), completed=done, eta="")
         if done:
             self.progress.console.print(f"continuing the sweep: {done} of {len(points)} points done already")
@@ -77,7 +77,7 @@ class SweepView(Events):
         self.progress.advance(self.overall)
         self.remaining.pop(point.name, None)
         if outcome.seconds > 0:
-            self.finished.append((point.flops, outcome.seconds))
+            self.finished.append((point.tokens, outcome.seconds))
         self._update_eta()
         eta = self.eta()
         eta = f"; {eta}" if eta else ""
