@@ -155,6 +155,11 @@ def quiet_libraries(is_main: bool) -> None:
     logging.getLogger("kernels").setLevel(logging.ERROR)
     # PEFT 0.21 (peft_model.py) calls transformers' deprecated `is_gradient_checkpointing`: not the user's to fix
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    # PEFT 0.21 doubles rank and alpha on a MoE's fused expert parameters (target_parameters) through rank_pattern
+    # and alpha_pattern, then checks those keys against the targeted *modules* only and calls them unmatched: a
+    # false alarm on every Mixtral or Qwen3-MoE LoRA (the trainable count is PEFT's own, tests/fidelity)
+    warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match any targeted module",
+                            category=RuntimeWarning)
     transformers.logging.set_verbosity_warning()
     transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars: the run logs what it loaded
     if not is_main or not interactive():
