@@ -14,6 +14,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+# DeepSpeed's ops are built with the ninja the runs use, in this process (tests that start DeepSpeed in-process)
+# and its children: another ninja's build is rebuilt (adaptive.engine.pin_ninja)
+try:
+    from adaptive.engine import pin_ninja
+
+    pin_ninja()
+except ImportError:  # a checkout without adaptive importable: nothing builds ops then
+    pass
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -22,9 +22,10 @@ UNAVAILABLE = 3
 
 
 def main() -> int:
-    from adaptive.engine import name_cpu_accelerator
+    from adaptive.engine import name_cpu_accelerator, pin_ninja
 
     name_cpu_accelerator()
+    pin_ninja()  # the ninja the runs build with: another one's build is rebuilt (adaptive.engine.pin_ninja)
     from deepspeed.accelerator import get_accelerator
 
     from adaptive.engine import async_io_unavailable
