@@ -168,14 +168,13 @@ def op_compiled(name: str) -> bool:
     return dry.returncode == 0 and "no work to do" in dry.stdout
 
 
-def ops_a_run_loads(cfg: dict[str, Any], cpu: bool) -> list[str]:
-    """The JIT ops (builder class names) a run with DeepSpeed config `cfg` loads: the shm comm op on a CPU (its
-    process group), CPU Adam when the optimizer is offloaded (setup.build_optimizer's default there), async_io when
-    anything swaps to NVMe."""
+def ops_a_run_loads(cfg: dict[str, Any]) -> list[str]:
+    """The JIT ops (builder class names) DeepSpeed's engine loads for config `cfg`: CPU Adam when the optimizer is
+    offloaded (setup.build_optimizer's default there), async_io when anything swaps to NVMe. (On a CPU the process
+    group loads the shm comm op before any config: setup.init_distributed compiles it.)"""
     zero = cfg.get("zero_optimization") or {}
     offloaded = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
-    return ((["ShareMemCommBuilder"] if cpu else []) + (["CPUAdamBuilder"] if offloaded else [])
-            + (["AsyncIOBuilder"] if nvme_offload(cfg) else []))
+    return (["CPUAdamBuilder"] if offloaded else []) + (["AsyncIOBuilder"] if nvme_offload(cfg) else [])
 
 
 def compile_ops(names: list[str], say: Callable[[str], None] | None) -> None:

@@ -394,7 +394,7 @@ def run_launch(launch: Launch) -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     from adaptive.config.commandline import ERROR_FILE_ENV
-    from adaptive.engine import name_cpu_accelerator, pin_ninja
+    from adaptive.engine import name_cpu_accelerator
 
     command = launch.this_node
     if MAIN_NODE_PLACEHOLDER in command:
@@ -405,7 +405,6 @@ def run_launch(launch: Launch) -> int:
     previous = os.environ.get(ERROR_FILE_ENV)
     os.environ[ERROR_FILE_ENV] = error_file
     named = name_cpu_accelerator()  # the launcher's DeepSpeed import and the recipe's: no accelerator warning
-    pin_ninja()  # the recipe's processes build DeepSpeed's ops with the ninja an `accelerate launch` run uses
     try:
         with _LauncherLogsHeld() as held:
             try:

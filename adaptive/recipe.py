@@ -172,10 +172,9 @@ def train(config: RunConfig, preset: str, arch: str, callbacks: list[Any] | None
     from adaptive.orchestrator import policies
 
     require("training")  # before torch is imported: one line in a planner-only install
-    from adaptive.engine import name_cpu_accelerator, pin_ninja
+    from adaptive.engine import name_cpu_accelerator
 
     name_cpu_accelerator()  # before DeepSpeed is imported: no "Setting accelerator to CPU" warning on a CPU
-    pin_ninja()  # one ninja for DeepSpeed's op builds, however the run was launched
     from adaptive.train.run.entry import run
 
     orchestrator = orchestrator_settings(config)  # bad settings fail before anything starts

@@ -76,7 +76,6 @@ def test_ops_are_built_with_deepspeeds_ninja_whatever_path_the_launcher_gave():
                               env={**os.environ, "PATH": path})
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == os.path.join(ninja.BIN_DIR, "ninja")
-        assert done.stdout.count(ninja.BIN_DIR) == 1
 
 
 def test_an_op_counts_as_compiled_only_when_ninja_has_nothing_to_do(tmp_path, monkeypatch):
@@ -108,12 +107,14 @@ def test_an_op_counts_as_compiled_only_when_ninja_has_nothing_to_do(tmp_path, mo
 def test_which_ops_a_run_loads_follows_its_config():
     from adaptive.engine import ops_a_run_loads
 
-    assert ops_a_run_loads({}, cpu=True) == ["ShareMemCommBuilder"]
+    assert ops_a_run_loads({}) == []
     offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
-    assert ops_a_run_loads(offload, cpu=False) == ["CPUAdamBuilder"]
+    assert ops_a_run_loads(offload) == ["CPUAdamBuilder"]
     nvme = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"},
                                   "offload_param": {"device": "nvme"}}}
-    assert ops_a_run_loads(nvme, cpu=True) == ["ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder"]
+    assert ops_a_run_loads(nvme) == ["CPUAdamBuilder", "AsyncIOBuilder"]
+    params_only = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}
+    assert ops_a_run_loads(params_only) == ["AsyncIOBuilder"]
 
 
 @pytest.mark.slow  # compiles the shm comm op into an empty extension folder (about 30 s on 2 cores)

@@ -61,21 +61,32 @@ class Prediction:
         return self.entry["id"]
 
 
+def read_runs(data_file: str) -> tuple[dict, ...]:
+    """The `runs` of one of this package's evidence files (this corpus's, the fine-tune corpus's), as stored."""
+    text = resources.files("adaptive.plan.evidence").joinpath(data_file).read_text()
+    return tuple(json.loads(text)["runs"])
+
+
 @lru_cache(maxsize=1)
 def load() -> tuple[dict, ...]:
     """Every corpus entry, as stored."""
-    text = resources.files("adaptive.plan.evidence").joinpath(DATA_FILE).read_text()
-    return tuple(json.loads(text)["runs"])
+    return read_runs(DATA_FILE)
+
+
+def shape_for(entry: dict, max_positions: int = 4096) -> Shape:
+    """The decoder shape an entry's `model` records (`max_positions` where it gives none)."""
+    m = entry["model"]
+    return Shape(entry["id"], 0, vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
+                 intermediate_size=m["intermediate_size"], num_hidden_layers=m["num_hidden_layers"],
+                 num_attention_heads=m["num_attention_heads"],
+                 num_key_value_heads=m.get("num_key_value_heads", m["num_attention_heads"]),
+                 max_position_embeddings=m.get("max_position_embeddings", max_positions),
+                 tie_word_embeddings=m.get("tie_word_embeddings", False))
 
 
 def spec_for(entry: dict) -> ModelSpec:
     m = entry["model"]
-    shape = Shape(entry["id"], 0, vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
-                  intermediate_size=m["intermediate_size"], num_hidden_layers=m["num_hidden_layers"],
-                  num_attention_heads=m["num_attention_heads"],
-                  num_key_value_heads=m.get("num_key_value_heads", m["num_attention_heads"]),
-                  max_position_embeddings=m.get("max_position_embeddings", 4096),
-                  tie_word_embeddings=m.get("tie_word_embeddings", False))
+    shape = shape_for(entry)
     arch = m.get("arch", "dense")
     if arch == "moe":
         # top-k set after building: DeepSpeed's gate stops at 2, a published top-8 run is counted as it ran
@@ -206,6 +217,6 @@ def is_dense_up_to_13b(entry: dict) -> bool:
     return entry["model"].get("arch", "dense") == "dense" and count_params(spec_for(entry)).total <= 13.5e9
 
 
-__all__ = ["Prediction", "load", "predict", "comparisons", "request_for", "spec_for", "is_dense_up_to_13b",
-           "implied_stack_efficiency", "measured_step_seconds", "CONSUMER_TOLERANCE", "GPU_HOURS_TOLERANCE",
+__all__ = ["Prediction", "load", "predict", "read_runs", "shape_for", "comparisons", "request_for", "spec_for",
+           "is_dense_up_to_13b", "implied_stack_efficiency", "measured_step_seconds", "CONSUMER_TOLERANCE", "GPU_HOURS_TOLERANCE",
            "LARGE_GPU_HOURS_RUNS", "LARGE_GPU_HOURS_TOLERANCE", "SPEED_TOLERANCE"]

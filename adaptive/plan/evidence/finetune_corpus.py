@@ -26,14 +26,13 @@ call right.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from importlib import resources
 from typing import Any
 
-from adaptive.plan.architecture.presets import ModelSpec, Shape, spec_from_shape
+from adaptive.plan.architecture.presets import ModelSpec, spec_from_shape
 from adaptive.plan.ds_config.reader import merge_ds_pins, parse as parse_ds_config
+from adaptive.plan.evidence.corpus import read_runs, shape_for
 from adaptive.plan.estimate.memory import FRAGMENTATION, MemoryEstimate
 from adaptive.plan.finetune.method import Finetune, make_finetune
 from adaptive.plan.hardware.gpus import get_gpu
@@ -129,19 +128,13 @@ def comparable_bytes(memory: MemoryEstimate, counter: str) -> float:
 @lru_cache(maxsize=1)
 def load() -> tuple[dict, ...]:
     """Every fine-tune entry, as stored."""
-    text = resources.files("adaptive.plan.evidence").joinpath(DATA_FILE).read_text()
-    return tuple(json.loads(text)["runs"])
+    return read_runs(DATA_FILE)
 
 
 def spec_for(entry: dict) -> ModelSpec:
     """The config.json the entry records, as transformers' class of its family (`model_type`) trains it."""
-    m = entry["model"]
-    shape = Shape(entry["id"], 0, vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
-                  intermediate_size=m["intermediate_size"], num_hidden_layers=m["num_hidden_layers"],
-                  num_attention_heads=m["num_attention_heads"], num_key_value_heads=m["num_key_value_heads"],
-                  max_position_embeddings=m.get("max_position_embeddings", 131072),
-                  tie_word_embeddings=m["tie_word_embeddings"])
-    return replace(spec_from_shape(shape, "dense"), source=f"hf:{m['model_type']}")
+    shape = shape_for(entry, max_positions=131072)
+    return replace(spec_from_shape(shape, "dense"), source=f"hf:{entry['model']['model_type']}")
 
 
 def finetune_for(knobs: dict[str, Any]) -> Finetune:

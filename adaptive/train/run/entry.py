@@ -61,7 +61,7 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
     # torch's lock in the op's folder, the others wait for it there rather than at a collective's timeout).
     from adaptive.engine import compile_ops, ops_a_run_loads
 
-    compile_ops(ops_a_run_loads(plan.ds_config, cpu=False), setup.announce if partial.is_main_process else None)
+    compile_ops(ops_a_run_loads(plan.ds_config), setup.announce if partial.is_main_process else None)
     lock, resume_from = claim_run_folder(partial, output_dir, mode.resume, mode.overwrite)
     try:
         return _train(config, preset, arch, callbacks, plugins, partial, plan, world, output_dir, resume_from,

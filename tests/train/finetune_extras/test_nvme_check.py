@@ -55,8 +55,8 @@ def test_a_compiled_op_counts_for_the_deepspeed_its_build_file_names(no_compiled
     import deepspeed
 
     assert not async_io_built()
-    assert "AsyncIOBuilder" in ops_a_run_loads(NVME, cpu=True)
-    assert "AsyncIOBuilder" not in ops_a_run_loads(CPU_OFFLOAD, cpu=True)
+    assert "AsyncIOBuilder" in ops_a_run_loads(NVME)
+    assert "AsyncIOBuilder" not in ops_a_run_loads(CPU_OFFLOAD)
     folder = no_compiled_ops / "async_io"  # torch's build folder of the op (created by the look-up)
     assert folder.is_dir()
     (folder / "async_io.so").write_bytes(b"")
