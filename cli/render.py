@@ -286,7 +286,7 @@ def knobs_table(p: Plan) -> Table:
                  (micro_label, s.micro_batch_size),
                  ("gradient accumulation", c.grad_accum),
                  ("global batch", f"{human(s.seq_len * s.micro_batch_size * c.grad_accum * s.dp_size)} tokens"),
-                 ("sequence length", s.seq_len), ("activation checkpointing", "on" if s.gradient_checkpointing else "off"),
+                 ("sequence length", s.seq_len), ("activation checkpointing", checkpointing_words(s)),
                  ("expert-parallel size", s.ep_size if spec.is_moe else "-")):
         knobs.add_row(k, str(v))
     # shown only where used, so data-parallel plans read as before
@@ -361,11 +361,16 @@ def quality_table(p: Plan) -> Table:
     return t
 
 
+def checkpointing_words(s) -> str:
+    """on (every layer), off, or the selective policy the plan chose."""
+    return {"full": "on", "off": "off"}.get(s.checkpointing, f"selective ({s.checkpointing})")
+
+
 def measure_report(report, files: dict | None = None) -> None:
     """Predicted vs measured, part by part."""
     s = report.setup
     console.print(f"{s.spec.name} {s.spec.arch}: micro-batch {s.micro_batch_size} x seq {s.seq_len}, "
-                  f"checkpointing {'on' if s.gradient_checkpointing else 'off'}, ZeRO-{s.zero_stage} layout on one GPU")
+                  f"checkpointing {checkpointing_words(s)}, ZeRO-{s.zero_stage} layout on one GPU")
     t = Table(title="Predicted (adaptive fit) vs measured (real model, fake tensors)", box=box.SIMPLE_HEAD)
     for col in ("part", "predicted GiB", "measured GiB", "error"):
         t.add_column(col, justify="left" if col == "part" else "right")

@@ -149,3 +149,12 @@ def test_pins_that_did_not_decide_a_refusal_alone_are_named_beside_it():
     assert d["answer"]["decided_by"] == "gpu" and d["zero_stage"] == 0
     assert d["answer"]["reason"].endswith("GiB kept); pinned: --zero 0, --micro-batch 2")
     assert fit_json("--model", "b7", "--gpu", "a100-40gb")["answer"]["decided_by"] == "host"
+
+
+def test_the_plan_table_names_a_selective_checkpointing_policy():
+    """A plan that checkpoints every 4th layer says so in its table, as its JSON and `launch` do, not "off"."""
+    args = ("--model", "tests/plan/data/llama-3.1-8b/config.json", "--gpu", "rtx4090", "--finetune", "qlora")
+    policy = fit_json(*args)["checkpointing"]
+    assert policy.startswith("every:")
+    row = next(line for line in adaptive("fit", *args).stdout.splitlines() if "activation checkpointing" in line)
+    assert row.split() == ["activation", "checkpointing", "selective", f"({policy})"]

@@ -788,7 +788,8 @@ def finetune_alternatives(req: FitRequest, free: FitRequest, global_tokens: int)
                         micro_batch_size=None, grad_accum=None, gradient_checkpointing=None, checkpointing=None,
                         min_seq_len=None)
         batch = req.global_batch_tokens or finetune_defaults.global_batch_tokens(variant.finetune, req.seq_len)
-        if not (best := _best(trial, batch)):
+        # every checkpointing policy, as `fit --finetune <rung>` searches: the rung offered is the plan it gives
+        if not (best := search(trial, trial.spec, max(batch, trial.seq_len), host_mem_for(trial))[0]):
             continue
         hours = train_hours(tokens, best.throughput.tokens_per_second)
         what = change.removeprefix("+ ").removeprefix("instead: ")

@@ -38,6 +38,16 @@ def test_llama3_8b_on_a_4090_full_does_not_fit_and_offers_lora_and_qlora_with_th
     assert peaks == sorted(peaks, reverse=True)
 
 
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_an_offered_rung_is_the_plan_fit_gives_that_method(method):
+    """What would fit offers each method as `fit --finetune <method>` itself plans it: peak and speed alike."""
+    offered = next(s for s in plan(gpu="rtx4090", finetune="full").suggestions
+                   if s.startswith(("LoRA" if method == "lora" else "QLoRA") + " ("))
+    own = plan(gpu="rtx4090", finetune=method).shown
+    assert f"peak {own.memory.peak_gpu_bytes / GiB:.2f} GiB" in offered
+    assert f"{own.throughput.tokens_per_second:,.0f} tokens/s" in offered
+
+
 def test_qlora_fits_a_4090_with_its_frozen_nf4_base_counted():
     p = plan(gpu="rtx4090", finetune="qlora")
     assert p.fits
