@@ -16,6 +16,7 @@ from adaptive.config.run import COMPARE, RunConfig
 from adaptive.plan.compare import compare as compare_plans
 from adaptive.plan.compare import row_dict
 from adaptive.plan.hardware.gpus import CATALOG
+from adaptive.plan.search.answer import usd
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -54,13 +55,17 @@ BESTS = (("loss", "best_quality"), ("loss (tie)", "ties_best_quality"), ("cheape
          ("speed", "best_speed"), ("$/token", "best_cost"), ("loss/$", "best_loss_per_dollar"))
 
 
+CKPT = {"off": "", "full": " ckpt"}  # a selective policy shows as itself (" every:4")
+
+
 def _cells(d: dict, stacked: bool, compact: bool = False) -> dict[str, list[str]]:
     """A row's cells as lines: one line each (`stacked` False), or two or more where a cell holds several parts;
     `compact`: the plan's offload on its own line, and time over cost in one column."""
     from cli.render import duration, gib, human
 
     off = "" if d["offload"] == "none" else f" off:{d['offload']}"
-    layout = (f"mb{d['micro_batch_size']}x{d['gradient_accumulation_steps']}{' ckpt' if d['gradient_checkpointing'] else ''}"
+    ckpt = CKPT.get(d["checkpointing"], " " + d["checkpointing"])
+    layout = (f"mb{d['micro_batch_size']}x{d['gradient_accumulation_steps']}{ckpt}"
               f" s{d['seq_len']}{' tp' + str(d['tp_size']) if d['tp_size'] > 1 else ''}"
               f"{' sp' + str(d['sp_size']) if d['sp_size'] > 1 else ''}")
     fits = ["yes"] if d["fits"] else ["no:", *_why_not(d)]  # stacked: "no:" over its reason
@@ -74,9 +79,9 @@ def _cells(d: dict, stacked: bool, compact: bool = False) -> dict[str, list[str]
                  if stacked else [f"Z{d['zero_stage']}{off} {layout}"]),
         "peak": [gib(d["peak_gpu_bytes"])],
         "tok/s" if stacked else "tokens/s": [human(d["tokens_per_second"])],
-        **({"time, cost": [duration(d["train_hours"]), f"${d['cost_usd']:,.0f}"] if d["fits"] else ["-"]} if compact else
+        **({"time, cost": [duration(d["train_hours"]), usd(d['cost_usd'])] if d["fits"] else ["-"]} if compact else
            {"time": [duration(d["train_hours"]) if d["fits"] else "-"],
-            "cost": [f"${d['cost_usd']:,.0f}" if d["fits"] else "-"]}),
+            "cost": [usd(d['cost_usd']) if d["fits"] else "-"]}),
         "$/1B" if stacked else "$/1B tok": [f"${d['cost_per_1b_tokens_usd']:,.2f}" if d["fits"] else "-"],
         "loss": ["-" if d["predicted_loss"] is None else f"{d['predicted_loss']:.3f}"],
         "best": [n for n, k in BESTS if d[k]] if stacked else [", ".join(n for n, k in BESTS if d[k])],
@@ -133,7 +138,8 @@ def compare(
                          seq_len=config.data.seq_len or 2048, tokens=tokens, loss_law=config.quality.loss_law,
                          dataset_tokens=config.quality.dataset_tokens, finetune=ft.finetune, lora_rank=ft.lora_rank,
                          lora_alpha=ft.lora_alpha, lora_targets=ft.lora_targets, lora_dropout=ft.lora_dropout,
-                         epochs=ft.epochs)
+                         epochs=ft.epochs, optimizer=config.optimizer.optimizer, offload=config.parallelism.offload,
+                         nvme_path=config.parallelism.nvme_path, nvme_gbps=config.parallelism.nvme_gbps)
     dicts = [row_dict(r) for r in rows]
     if json_output:
         print(json.dumps(dicts, indent=2))
@@ -158,11 +164,12 @@ def compare(
         console.print("no: GPU = even the smallest peak exceeds the GPU's memory; no: host RAM = it fits the GPU only "
                       "with CPU offload, which needs more host RAM per node than it has (needed/available; --json and "
                       "--csv say it in why_not, why_not_detail).")
-    laws = sorted({d["loss_law"] for d in dicts if d["loss_law"]}) or ["none: a fine-tune predicts no loss"]
+    laws = sorted({d["loss_law"] for d in dicts if d["loss_law"]})
+    loss = (f"predicted final loss ({'; '.join(laws)}; `adaptive fit` shows its band and source)" if laws else
+            "none: a fine-tune predicts no loss (the scaling laws describe pretraining from scratch)")
     budget = "given" if tokens else ("--dataset-tokens x --epochs" if ft.finetune else
                                      "20 x active params per model (Chinchilla)")
-    console.print(f"Token budget: {budget}. loss = "
-                  f"predicted final loss ({'; '.join(laws)}; `adaptive fit` shows its band and source). best: loss = "
+    console.print(f"Token budget: {budget}. loss = {loss}. best: loss = "
                   "lowest predicted loss; cheapest = lowest cost of the run; speed = most tokens/s; $/token = lowest $ "
                   "per 1B tokens; loss/$ = most loss reduction per extra dollar over the cheapest run. Each among "
                   "the plans that fit.", soft_wrap=True)

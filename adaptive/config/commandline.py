@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 import sys
 import typing
 from enum import Enum
@@ -116,12 +117,25 @@ def run_command(app: typer.Typer, argv: list[str] | None, prog_name: str) -> int
             if err.format_message():
                 sys.stdout.write(err.format_message() + "\n")
             return 0
-        return fail(err.format_message().replace("\n", " "))
+        return fail(err.format_message().replace("\n", " ") + _nearest_choice(err))
     except typer.Abort:
         return 130
     except typer.Exit as done:
         return done.exit_code
     return rv if isinstance(rv, int) else 0
+
+
+def _nearest_choice(err: Exception) -> str:
+    """" Did you mean 'lora'?" after click's "'lorra' is not one of ...", where one choice is close."""
+    choices = getattr(getattr(getattr(err, "param", None), "type", None), "choices", None)
+    bad = re.search(r"'(.+?)' is not one of", getattr(err, "message", "") or "")
+    if not choices or bad is None:
+        return ""
+    import difflib  # only on an error: fit's start stays lean
+
+    names = [str(getattr(c, "value", c)) for c in choices]
+    close = difflib.get_close_matches(bad[1], names, n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
 
 
 ERROR_FILE_ENV = "ADAPTIVE_ERROR_FILE"  # set by `adaptive launch`: where a recipe under the launcher leaves its error

@@ -72,10 +72,12 @@ class ModelOptions:
         help="dense | moe | mod | hybrid; default: dense, the config's, or the recipe's own.")
     init_from: str | None = option(
         None, "--init-from", commands=RUN,
-        help="Start from a checkpoint folder (config.json + safetensors or pytorch_model.bin): an adaptive export, "
-             "or a transformers Llama, Mistral, Qwen2 or Mixtral. Its config.json is the shape (instead of --model); "
-             "--arch or the recipe's arch the target: a dense checkpoint as moe/hybrid is sparse-upcycled (each "
-             "expert a copy of its FFN), MoE and MoD routers start fresh. Its tokenizer, if any, is used. A --resume "
+        help="Start from a checkpoint folder (config.json + safetensors or pytorch_model.bin). A fine-tune "
+             "(--finetune) trains transformers' own class of Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, "
+             "Mixtral, Qwen2-MoE or Qwen3-MoE. Pretraining from it: an adaptive export, or a Llama, Mistral, Qwen2 or "
+             "Mixtral, as --arch or the recipe's arch (a dense checkpoint as moe/hybrid is sparse-upcycled, each "
+             "expert a copy of its FFN; MoE and MoD routers start fresh). Its config.json is the shape (instead of "
+             "--model). Its tokenizer is used (a downloaded one without is refused: --tokenizer). A --resume "
              "checkpoint wins over it.")
     capacity_factor: float = option(1.0, "--capacity-factor", commands=ESTIMATE, above=0.0,
                                     help="MoE capacity factor.")
@@ -204,15 +206,15 @@ class ParallelismOptions:
     zero: int | None = option(None, "--zero", commands=SHAPE, minimum=0, maximum=3,
                               help="Pin the ZeRO stage (0-3).")
     offload: str | None = option(
-        None, "--offload", commands=PLANNING, choices=("none", "optimizer", "all", "nvme", "nvme-optimizer"),
+        None, "--offload", commands=PLANNING | {COMPARE}, choices=("none", "optimizer", "all", "nvme", "nvme-optimizer"),
         help="Pin offload: none, optimizer (its states to the CPU), all (and the parameters), or ZeRO-Infinity's nvme "
              "(states and parameters to an NVMe drive) or nvme-optimizer (the states alone), ZeRO-3 and --nvme-path.")
     nvme_path: str | None = option(
-        None, "--nvme-path", commands=PLANNING,
+        None, "--nvme-path", commands=PLANNING | {COMPARE},
         help="A writable folder on an NVMe drive for ZeRO-Infinity's swap files: enables --offload nvme and "
              "nvme-optimizer (the planner tries them under ZeRO-3).")
     nvme_gbps: str | None = option(
-        None, "--nvme-gbps", commands=PLANNING, pattern=(r"\d+(\.\d+)?(/\d+(\.\d+)?)?", "READ or READ/WRITE in GB/s"),
+        None, "--nvme-gbps", commands=PLANNING | {COMPARE}, pattern=(r"\d+(\.\d+)?(/\d+(\.\d+)?)?", "READ or READ/WRITE in GB/s"),
         help="The NVMe drive's sequential read/write GB/s, as READ/WRITE or one figure for both (default: a PCIe 4.0 "
              "drive's datasheet figures; measure yours with DeepSpeed's ds_nvme_tune).")
     micro_batch: int | None = option(None, "--micro-batch", commands=SHAPE | {SCALE}, minimum=1,
@@ -295,7 +297,7 @@ class OptimizerOptions:
     """The optimizer and its schedule."""
 
     optimizer: str | None = option(
-        None, "--optimizer", commands=PLANNING,
+        None, "--optimizer", commands=PLANNING | {COMPARE},
         help="Optimizer implementation: auto (fused AdamW, as adaptive runs), adamw_torch (foreach), "
              "adamw_torch_fused, deepspeed_fused_adam, deepspeed_cpu_adam, or bitsandbytes' adamw_8bit and "
              "paged_adamw_8bit (8-bit moments; the paged one's spill to host RAM).")

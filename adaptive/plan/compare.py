@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from adaptive.plan.quality.ranking import LossComparison, compare_quality
-from adaptive.plan.search.planner import Plan, fit
+from adaptive.plan.search.planner import Plan, fit, offload_name
 from adaptive.plan.request import make_request
 
 
@@ -119,11 +119,12 @@ def row_dict(row: Row) -> dict:
         "params_total": p.counts.total,
         "params_active": p.counts.active,
         "zero_stage": s.zero_stage,
-        "offload": "all" if s.offload_params else "optimizer" if s.offload_optimizer else "none",
+        "offload": offload_name(s),
         "micro_batch_size": s.micro_batch_size,
         "gradient_accumulation_steps": c.grad_accum,
         "seq_len": s.seq_len,
         "gradient_checkpointing": s.gradient_checkpointing,
+        "checkpointing": s.checkpointing,  # off, full or the selective policy
         "tp_size": s.tp_size,
         "sp_size": s.sp_size,
         "peak_gpu_bytes": c.memory.peak_gpu_bytes,

@@ -114,6 +114,9 @@ def test_out_for_a_plan_that_does_not_fit_writes_only_the_plan_and_no_launch_lin
     (["fit", "--model", "b7", "--gpu", "a100", "--mfu", "nan"], "--mfu must be a finite number, got nan"),
     (["fit", "--model", "b7", "--gpu", "a100", "--price", "nan"], "--price must be a finite number"),
     (["fit", "--model", "b1", "--gpu", "a100", "--tokens", "1e30"], "--tokens must be <= 1e+15, got 1e+30"),
+    (["fit", "--model", "b1", "--gpu", "a100", "--finetune", "lorra"], "is not one of 'full', 'lora', 'qlora'. Did "
+                                                                       "you mean 'lora'?"),
+    (["compare", "--model", "b1", "--gpu", "a100", "--offload", "nvm"], "Did you mean 'nvme'?"),
 ])
 def test_bad_input_exits_2_with_one_line_and_no_traceback(args, message):
     r = adaptive(*args)
