@@ -101,3 +101,23 @@ def test_lora_base_bytes_equal_the_16_bit_model(tmp_path):
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     roles = param_roles(spec, make_finetune("lora"))
     assert roles.frozen_bytes == held and roles.frozen_4bit == 0
+
+
+def test_the_qlora_run_holds_its_base_as_planned(tmp_path):
+    """The run's own model (load_pretrained + apply_method, as recipes/finetune.py builds it) holds the frozen base in
+    the planned bytes: no fp32 copy of the modules bitsandbytes leaves in 16 bits (PEFT's kbit preparation makes one)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from adaptive.models.finetune import apply_method, load_pretrained
+
+    path = _write(tmp_path, CONFIGS["llama"])
+    spec = spec_from_hf_config(path)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path)).to(torch.bfloat16).save_pretrained(
+        tmp_path / "ckpt")
+    finetune = make_finetune("qlora", lora_rank=8)
+    model = apply_method(load_pretrained(tmp_path / "ckpt", finetune, "bf16", 2, "sdpa", torch.device("cpu")), spec,
+                         finetune, "off")
+    adapters = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    roles = param_roles(spec, finetune)
+    assert _held_bytes(model) - adapters == roles.frozen_bytes
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == roles.trainable

@@ -89,21 +89,20 @@ def run(request, runs):
 
 def reference_base(run: SimpleNamespace):
     """The base a user loads the adapter onto: the checkpoint in fp32 (LoRA: the run trains an fp32 copy on the
-    CPU), or (QLoRA) NF4 with double quantization and bf16 compute, prepared as PEFT's QLoRA recipe prepares it (the
-    16-bit modules in fp32), on bitsandbytes' training kernel (see adaptive/models/finetune.py keep_training_kernel:
-    its CPU inference repacking refuses in_features 160 and rounds the scales to bf16)."""
+    CPU), or (QLoRA) NF4 with double quantization and bf16 compute, the modules bitsandbytes leaves in 16 bits kept
+    in bf16 as the run keeps them (no fp32 upcast: adaptive/models/finetune.py apply_method), on bitsandbytes'
+    training kernel (see keep_training_kernel there: its CPU inference repacking refuses in_features 160 and rounds
+    the scales to bf16)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     if run.method == "lora":
         return AutoModelForCausalLM.from_pretrained(run.checkpoint, dtype=torch.float32).eval()
     import bitsandbytes as bnb
-    from peft import prepare_model_for_kbit_training
 
     nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                              bnb_4bit_compute_dtype=torch.bfloat16)
     base = AutoModelForCausalLM.from_pretrained(run.checkpoint, quantization_config=nf4, dtype=torch.bfloat16,
                                                 device_map="cpu")
-    base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
     for module in base.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False
