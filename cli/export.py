@@ -15,7 +15,9 @@ import typer
 
 RunDir = Annotated[Path, typer.Argument(help="A run's --output-dir (its hf/ export is read), or an HF model folder.")]
 Format = Annotated[str, typer.Option("--format", "-f", help="auto (most portable: llama for dense, mixtral for "
-                                     "plain MoE, else adaptive), llama, mixtral or adaptive.")]
+                                     "plain MoE, else adaptive), llama, mixtral or adaptive. A fine-tune's export of "
+                                     "another transformers family (qwen3, gemma2, ...) is its own class: nothing "
+                                     "to convert.")]
 Out = Annotated[Optional[Path], typer.Option("--out", "-o", help="Target folder (default: beside the source, "
                                              "named <source>-<format>).")]
 Json = Annotated[bool, typer.Option("--json", help="Print {path, format, reason, written} as JSON.")]

@@ -149,3 +149,33 @@ def test_a_conversion_is_not_redone_for_the_same_export_but_is_for_a_newer_one(t
     assert json.loads(newer.stdout)["written"] is True
     assert mtimes(tmp_path / "hf-llama") != before
     assert json.loads((tmp_path / "hf-llama" / "adaptive_export.json").read_text())["step"] == 9
+
+
+def qwen3_finetune_export(run_dir) -> None:
+    """A fine-tune of a transformers family as the loop writes it: hf/ holds transformers' own Qwen3 (merged)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    Qwen3ForCausalLM(config).save_pretrained(run_dir / "hf")
+    (run_dir / "hf" / "adaptive_export.json").write_text(json.dumps({"step": 5, "finetune": "lora"}))
+
+
+def test_a_finetune_of_another_transformers_family_is_its_own_export_and_an_explicit_format_is_one_line(tmp_path):
+    qwen3_finetune_export(tmp_path)
+    before = mtimes(tmp_path / "hf")
+    done = adaptive("export", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"{tmp_path / 'hf'}: already qwen3: transformers' own Qwen3ForCausalLM, loadable " \
+                                  "by AutoModelForCausalLM as it is; nothing to convert"
+    as_json = adaptive("export", str(tmp_path), "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout) | {"reason": None} == {"path": str(tmp_path / "hf"), "format": "qwen3",
+                                                             "written": False, "reason": None}
+    for asked in ("llama", "mixtral", "adaptive"):
+        refused = adaptive("export", str(tmp_path), "--format", asked)
+        assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+        assert refused.stderr.startswith(f"error: cannot export as {asked}: "), refused.stderr
+        assert "Qwen3ForCausalLM" in refused.stderr and "--format auto" in refused.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and mtimes(tmp_path / "hf") == before

@@ -184,7 +184,7 @@ def load_data(options: DataOptions, seed: int, run: RunPlan, accelerator: Any, m
     cuda = run.device.kind == "cuda"
     workers = options.data_workers if options.data_workers is not None else (DATA_WORKERS_GPU if cuda else 1)
     cfg = DataConfig(dataset=dataset, seq_len=run.knobs.seq_len, seed=seed, dataset_config=options.dataset_config,
-                     text_field=options.text_field, workers=workers, pin_memory=cuda)
+                     text_field=options.text_field, workers=workers, pin_memory=cuda, packing=options.packing)
     with accelerator.main_process_first():
         tokenizer = load_tokenizer(tokenizer_source(options, run.init_from))
         require_fits_vocab(tokenizer, model_vocab_size)

@@ -21,7 +21,8 @@ PORTABLE = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}  # wha
 def convert_export(source: Path, export_format: str = "auto", out: Path | None = None,
                    force: bool = False) -> tuple[Path, ExportFormat, bool]:
     """Rewrite an HF export (a run dir's `hf/` folder, or a model folder: adaptive, llama or mixtral) in
-    `export_format`.
+    `export_format`. A fine-tune's export of another transformers family (qwen3, gemma2, ...) is its own class:
+    nothing is converted (`_own_class`).
 
     Writes `out` (default: `<source>-<format>` beside it) with the tokenizer files and `adaptive_export.json`
     carried over; returns the folder, the `ExportFormat` chosen and True. When the asked-for export exists
@@ -47,8 +48,7 @@ def convert_export(source: Path, export_format: str = "auto", out: Path | None =
         return source, ExportFormat(model_type, f"already {model_type}: it loads as {PORTABLE[model_type]} "
                                                 f"as it is; nothing to export"), False
     if model_type not in ("adaptive", *PORTABLE):
-        raise AdaptiveError(f"{str(source)!r} holds a {model_type!r} model; adaptive export reads adaptive, llama "
-                            "and mixtral exports")
+        return source, _own_class(source, model_type, export_format), False
     model = None
     if model_type == "adaptive":  # the config alone decides, unless Mixtral is possible: the selection bias may not
         chosen = choose_format(AdaptiveConfig.from_pretrained(source), None, export_format)
@@ -91,6 +91,30 @@ def convert_export(source: Path, export_format: str = "auto", out: Path | None =
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target, chosen, True
+
+
+def _own_class(source: Path, model_type: str | None, export_format: str) -> ExportFormat:
+    """A fine-tune of another transformers family (Qwen3, Gemma 2, Phi-3, Mistral, ...): its hf/ export is that
+    family's own class, which AutoModelForCausalLM loads as it is, so there is nothing to convert (a Llama or
+    Mixtral fine-tune is the `PORTABLE` case above). A format asked for by name cannot apply: one line."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from adaptive.errors import AdaptiveError
+    from adaptive.models.export import FORMATS
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) if isinstance(model_type, str) else None
+    if cls is None:
+        raise AdaptiveError(f"{str(source)!r} holds a {model_type!r} model, which transformers' AutoModelForCausalLM "
+                            "does not know; adaptive export reads adaptive, llama and mixtral exports and transformers' "
+                            "own causal-LM families")
+    if export_format not in FORMATS:
+        raise AdaptiveError(f"export format must be one of {', '.join(FORMATS)}, got {export_format!r}")
+    if export_format != "auto":
+        raise AdaptiveError(f"cannot export as {export_format}: {str(source)!r} holds transformers' own {model_type} "
+                            f"model ({cls}), which converts to no other format; it loads with AutoModelForCausalLM as "
+                            "it is (--format auto: nothing to convert)")
+    return ExportFormat(model_type, f"already {model_type}: transformers' own {cls}, loadable by AutoModelForCausalLM "
+                                    "as it is; nothing to convert")
 
 
 def source_fingerprint(source: Path) -> str:
