@@ -191,9 +191,11 @@ def plan_launch(req: LaunchRequest) -> Launch:
         cpu_run = plan_run(config, preset, arch, World(gpus, gpus), Device("cpu", None))
         plan, request, cpu_ds_config = cpu_run.plan, cpu_run.plan.request, cpu_run.ds_config
         k = cpu_run.knobs
+        length = (f"{cpu_run.epochs:g} epoch(s) over the data" if cpu_run.epochs is not None else
+                  f"{cpu_run.max_steps} steps unless --max-steps")
         notes.append(f"no CUDA GPU here: {gpus} CPU process(es) train in {cpu_run.precision}, sized as a recipe run "
                      f"directly (sequence {k.seq_len}, micro-batch {k.micro_batch_size} x {k.gradient_accumulation_steps}"
-                     f", {cpu_run.max_steps} steps unless --max-steps); the plan's GPU memory and speed do not apply")
+                     f", {length}); the plan's GPU memory and speed do not apply")
     else:
         ft = config.finetune
         # --init-from: the checkpoint's shape; a fine-tune (as the recipe plans it, train/run/runplan.py plan_run)
@@ -222,7 +224,11 @@ def plan_launch(req: LaunchRequest) -> Launch:
         raise AdaptiveError(f"{preset} {arch} does not fit {request.world_size} x {request.gpu.name}{hint}")
     run_dir = Path(config.output.output_dir or f"runs/{preset}_{arch}").resolve()
     if not req.dry_run:  # the recipe would refuse too, after launch had written over the run's configs
+        from adaptive.train.run.entry import check_data
         from adaptive.train.run_folder.ownership import check_fresh_start, starts_fresh
+
+        if not slurm or Path(config.data.dataset or "").expanduser().exists():  # else it is the cluster's path
+            check_data(config)
 
         check_fresh_start(run_dir, config.output.resume, config.output.overwrite)
         if config.output.resume and not starts_fresh(run_dir, config.output.resume):  # the recipe says so

@@ -58,9 +58,12 @@ def launch(
 
 
 def _show(planned) -> None:
+    from adaptive.plan.search.answer import method_words
     from adaptive.plan.search.planner import describe
 
-    print(f"{planned.preset} {planned.arch}: {describe(planned.plan.shown)}")
+    ft = planned.plan.request.finetune
+    method = f", {method_words(ft)}" if ft is not None else ""
+    print(f"{planned.preset} {planned.arch}{method}: {describe(planned.plan.shown)}")
     for name, path in planned.files.items():
         print(f"{'wrote' if planned.written else 'kept'} {path}")
     print(f"launcher: {planned.launcher}")

@@ -148,7 +148,7 @@ class EventLog:
         summary = _clean({"kind": "summary", "step": step, "time": time.time(), "policies": policies,
                           "decisions": self.counts(), **details})
         self._write(summary)
-        if self.main:
+        if self.main and summary.get("decisions"):  # a run it never acted on says nothing
             logger.info("orchestrator summary: %s", json.dumps(summary["decisions"]))
         return summary
 

@@ -343,7 +343,8 @@ GOOD_ROW = json.dumps({"text": "the cynic wit folly virtue " * 20})
     ('{"text": null}', ":4: 'text' must be a string of text, got null"),
     ('{"text": ["a"]}', ':4: \'text\' must be a string of text, got array ["a"]'),
     ('{"text": "a"', ":4 is not JSON"),
-    ('{"body": "a"}', ":4 has no 'text' field (fields: body); pass --text-field NAME"),
+    ('{"body": "a"}', ":4 has no 'text' field (fields: body); a row needs 'text' (documents), 'messages' (chats) "
+                      "or 'prompt' and 'completion'; for documents in another field pass --text-field NAME"),
     ('{"conversations": [{"from": "human", "value": "a"}]}', ":4 has 'conversations' (ShareGPT's from/value turns)"),
     ("[1, 2]", ":4 is a JSON array, not an object"),
     ("42", ":4 is a JSON number, not an object"),

@@ -48,7 +48,7 @@ def test_a_tokenizer_without_a_vocab_or_data_without_its_text_field_is_one_line_
     for args, message in (
         (["--tokenizer", str(empty)], f"error: tokenizer '{empty.resolve()}' has no vocabulary"),
         (["--tokenizer", str(tmp_path / "none")], "error: --tokenizer"),
-        (["--dataset", str(rows)], f"error: {rows}:1 has no 'text' field (fields: body); pass --text-field NAME"),
+        (["--dataset", str(rows)], f"error: {rows}:1 has no 'text' field (fields: body); a row needs 'text'"),
         (["--dataset", str(saved)], f"error: {str(saved)!r} has no 'text' field (fields: body)"),
         (["--seeds", "0"], "error: Invalid value for '--seeds'"),
     ):

@@ -22,6 +22,7 @@ from adaptive.plan.search.planner import Candidate, Plan, offload_name
 from adaptive.record import record
 
 if TYPE_CHECKING:  # a plain `fit` does not import the budget search
+    from adaptive.plan.finetune.method import Finetune
     from adaptive.plan.search.budget import BudgetResult
 
 
@@ -44,11 +45,17 @@ class Answer:
         return f"{self.title}: {self.verdict}: {self.reason}"
 
 
+def method_words(ft: Finetune) -> str:
+    """ "full fine-tune", or "QLoRA fine-tune (rank 16, alpha 32, all-linear)" """
+    if not ft.adapted:
+        return "full fine-tune"
+    return f"{'QLoRA' if ft.quantized else 'LoRA'} fine-tune (rank {ft.lora_rank}, alpha {ft.alpha:g}, {ft.lora_targets})"
+
+
 def title(plan: Plan) -> str:
     """ "b7 dense on 1 x a100-40gb", ", QLoRA fine-tune (rank 16, alpha 32, all-linear)" added for a fine-tune """
     req, ft = plan.request, plan.request.finetune
-    what = "" if ft is None else ", full fine-tune" if not ft.adapted else (
-        f", {'QLoRA' if ft.quantized else 'LoRA'} fine-tune (rank {ft.lora_rank}, alpha {ft.alpha:g}, {ft.lora_targets})")
+    what = "" if ft is None else f", {method_words(ft)}"
     return f"{req.spec.name} {req.spec.arch}{what} on {req.world_size} x {req.gpu.name}"
 
 

@@ -107,8 +107,8 @@ def require_chat_template(tokenizer: PreTrainedTokenizerFast, label: str) -> Non
     """Chat data need the tokenizer's own template: refuse one without."""
     if not tokenizer.chat_template:
         raise AdaptiveError(f"{label!r} holds chats (messages), and the tokenizer has no chat template to render them "
-                            "with; use the model's own tokenizer (--tokenizer), or give the rows prompt/completion "
-                            "fields")
+                            "with (a base model's often has none): pass --tokenizer DIR of one that has (its instruct "
+                            "model's), or give the rows prompt/completion fields")
 
 
 def has_generation_blocks(tokenizer: PreTrainedTokenizerFast) -> bool:

@@ -66,6 +66,14 @@ def first_json_record(files: list[str]) -> Any:
 _CHECKED: set[tuple[str, int, int, str]] = set()  # (file, size, mtime_ns, field): read once per process
 
 
+def missing_field_hint(field: str) -> str:
+    """What rows need when they lack `field`: under the default, the three layouts a run reads."""
+    if field != "text":
+        return "pass --text-field NAME"
+    return ("a row needs 'text' (documents), 'messages' (chats) or 'prompt' and 'completion'; for documents in "
+            "another field pass --text-field NAME")
+
+
 def check_json_rows(files: list[str], field: str) -> None:
     """AdaptiveError at the first record that is not an object with a string `field` ("" is a blank
     document, skipped like blank text)."""
@@ -83,7 +91,7 @@ def check_json_rows(files: list[str], field: str) -> None:
                 if "conversations" in record:  # ShareGPT's layout: a chat, in fields no chat template reads
                     raise AdaptiveError(f"{where} has 'conversations' (ShareGPT's from/value turns): chats are read "
                                         'from "messages": [{"role": ..., "content": ...}]; rename them')
-                raise AdaptiveError(f"{where} has no {field!r} field (fields: {fields}); pass --text-field NAME")
+                raise AdaptiveError(f"{where} has no {field!r} field (fields: {fields}); {missing_field_hint(field)}")
             value = record[field]
             if not isinstance(value, str):
                 got = "null" if value is None else f"{_kind(value)} {json.dumps(value)[:40]}"

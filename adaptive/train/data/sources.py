@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 
 from adaptive.errors import AdaptiveError
 from adaptive.train.data.instructions import CHAT, TEXT, check_rows, data_format
-from adaptive.train.data.rows import check_json_rows, first_json_record, json_records
+from adaptive.train.data.rows import check_json_rows, first_json_record, json_records, missing_field_hint
 from adaptive.train.data.tokenizer import DEFAULT_CORPUS
 
 if TYPE_CHECKING:
@@ -340,7 +340,7 @@ def load_text_dataset(cfg: DataConfig, split: str = "train", streaming: bool | N
         if not columns:
             return None  # no rows at all: reported as an empty corpus
         raise AdaptiveError(
-            f"{source.label!r} has no {field!r} field (fields: {', '.join(columns)}); pass --text-field NAME"
+            f"{source.label!r} has no {field!r} field (fields: {', '.join(columns)}); {missing_field_hint(field)}"
         )
     ds = ds.select_columns([field])
     return ds.rename_column(field, "text") if field != "text" else ds

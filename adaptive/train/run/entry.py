@@ -25,13 +25,40 @@ def run_dir(config: RunConfig, preset: str, arch: str) -> Path:
     return Path(config.output.output_dir or f"runs/{name}_{arch}")
 
 
+def check_data(config: RunConfig) -> None:
+    """A bad row, or chats the tokenizer cannot render: one line, before anything starts (`adaptive launch` asks
+    too, before it writes the run's configs)."""
+    from adaptive.train.data.instructions import CHAT, require_chat_template
+    from adaptive.train.data.sources import check_local_rows
+    from adaptive.train.data.tokenizer import load_tokenizer
+    from adaptive.train.run.setup import tokenizer_source
+
+    untokenized_checkpoint(config.model.init_from, config.data.tokenizer)
+    if check_local_rows(config.data.dataset, config.data.text_field) == CHAT:
+        require_chat_template(load_tokenizer(tokenizer_source(config.data, config.model.init_from)),
+                              config.data.dataset)
+
+
+def untokenized_checkpoint(init_from: str | None, tokenizer: str | None) -> None:
+    """A downloaded checkpoint without its tokenizer, and no --tokenizer: refused, not trained on the built-in
+    tokenizer's ids (which mean nothing to its embedding). An adaptive export may lack one: it used the built-in."""
+    from adaptive.plan.architecture.hf_config import read_config_json
+    from adaptive.train.run_folder.init_from import TOKENIZER_FILES, tokenizer_folder
+
+    folder = Path(init_from).expanduser() if init_from else None
+    if tokenizer or folder is None or tokenizer_folder(init_from) or not (folder / "config.json").is_file():
+        return
+    if read_config_json(folder).get("model_type") != "adaptive":
+        raise AdaptiveError(f"--init-from {init_from!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}), and "
+                            "the built-in one's ids mean nothing to its embedding: download the model's tokenizer "
+                            "files into it, or pass --tokenizer DIR")
+
+
 def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | None = None,
         plugins: Callable[[], list[Any]] | None = None) -> TrainerState:
     """Train. `callbacks` always run, first; `plugins()` (the orchestrator) when the run has it on. The run
     folder is checked, locked, and (with --overwrite) cleared before anything else is written."""
     from adaptive.train.run import setup
-    from adaptive.train.data.instructions import CHAT, require_chat_template
-    from adaptive.train.data.sources import check_local_rows
     from adaptive.train.reporting.display import configure_logging
     from adaptive.train.run.restart import start_mode
     from adaptive.train.run.runplan import World, check_with_deepspeed, detect_device, launcher_world, plan_run
@@ -44,12 +71,7 @@ def run(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] | N
     mode = start_mode(out.resume, out.overwrite, output_dir)
     if mode.check_fresh:
         check_fresh_start(output_dir, mode.resume, mode.overwrite)  # every rank, before anything is written
-    # a bad row, or chats the tokenizer cannot render: one line before anything starts
-    if check_local_rows(config.data.dataset, config.data.text_field) == CHAT:
-        from adaptive.train.data.tokenizer import load_tokenizer
-
-        require_chat_template(load_tokenizer(setup.tokenizer_source(config.data, config.model.init_from)),
-                              config.data.dataset)
+    check_data(config)
     trackers = resolve_trackers(out.report_to)  # an uninstalled tracker: one line, too
     partial = setup.init_distributed(config.faults.collective_timeout)
     configure_logging(partial.is_main_process)
@@ -130,10 +152,12 @@ def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] 
     logger = get_logger(__name__)
     accelerator = setup.make_accelerator(plan, trackers, output_dir)
     setup.quiet_libraries(main_process)
-    logger.info("plan: %s %s on %d x %s (%s), %s, DeepSpeed config from %s%s, %d steps of %d tokens",
+    # a fine-tune's steps are its epochs over the examples, counted once the data is read (below)
+    length = (f"{plan.epochs:g} epoch(s)" if plan.epochs is not None else f"{plan.max_steps} steps")
+    logger.info("plan: %s %s on %d x %s (%s), %s, DeepSpeed config from %s%s, %s, %d tokens a step",
                 preset, arch, world.size, plan.device.gpu.name if plan.device.gpu else "cpu", plan.precision,
                 knobs_line(plan.knobs.as_dict()), plan.ds_source.kind,
-                f" {plan.ds_source.path}" if plan.ds_source.path else "", plan.max_steps, plan.tokens_per_step)
+                f" {plan.ds_source.path}" if plan.ds_source.path else "", length, plan.tokens_per_step)
     logger.info("orchestrator: %s (--orchestrator %s; the plan's advice: %s)", "on" if plan.orchestrator else "off",
                 plan.orchestrator_requested, plan.plan.orchestrator.reason)
 
@@ -149,6 +173,13 @@ def _train(config: RunConfig, preset: str, arch: str, callbacks: list[Callback] 
         logger.info("%g epoch(s) of %d examples: %d steps", plan.epochs, samples, plan.max_steps)
     model = setup.build_model(plan, data.tokenizer, opt.seed, accelerator.device)
     lr = setup.peak_lr(opt.lr, preset) if opt.lr is not None or not plan.finetune else plan.plan.hyperparams.lr
+    if plan.finetune:
+        from adaptive.plan.search.answer import method_words
+
+        roles = plan.plan.roles
+        logger.info("%s; %s of %s parameters trained; peak lr %g (%s)", method_words(plan.finetune),
+                    f"{roles.trainable:,}", f"{roles.total:,}", lr,
+                    "--lr" if opt.lr is not None else plan.plan.hyperparams.source)
     optimizer = setup.build_optimizer(model, plan.knobs, lr, opt.weight_decay, plan.plan.request.optimizer)
     warmup = opt.warmup_steps if opt.warmup_steps is not None else setup.default_warmup(plan.max_steps)
     lr_scheduler = setup.build_scheduler(optimizer, warmup, plan.max_steps)

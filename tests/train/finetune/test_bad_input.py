@@ -1,7 +1,8 @@
 """A fine-tune's bad input is one line on stderr, exit code 2, and nothing written: the run folder is not created.
 
-Each case runs `python recipes/finetune.py` as a user does. The chat-template check runs before the run folder is
-claimed (adaptive/train/run/entry.py); the others fail while parsing or planning.
+Each case runs `python recipes/finetune.py` as a user does, and the data's cases `adaptive launch` too (which checks
+them before it writes the run's configs). The data and tokenizer checks run before the run folder is claimed
+(adaptive/train/run/entry.py check_data); the others fail while parsing or planning.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ def inputs(tmp_path_factory, tiny_llama, chat_jsonl):
     rows[3] = {"conversation": rows[3]["messages"]}  # ShareGPT's name for the field
     no_messages = root / "no_messages.jsonl"
     no_messages.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"llama": tiny_llama, "chat": chat_jsonl, "no_messages": no_messages, "root": root,
+    no_layout = root / "no_layout.jsonl"  # every row ShareGPT-like: none of text, messages, prompt/completion
+    no_layout.write_text("".join(json.dumps({"conversation": r.get("messages", r.get("conversation"))}) + "\n"
+                                 for r in rows))
+    no_tokenizer = write_checkpoint(root / "no-tokenizer", "llama")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (no_tokenizer / name).unlink()
+    return {"llama": tiny_llama, "chat": chat_jsonl, "no_messages": no_messages, "no_layout": no_layout,
+            "root": root, "no_tokenizer": no_tokenizer,
             "no_template": write_checkpoint(root / "no-template", "llama", chat_template=False),
             "gpt2": write_checkpoint(root / "tiny-gpt2", "gpt2")}
 
@@ -42,7 +50,15 @@ CASES = {
                                             "error: --finetune lora fine-tunes a checkpoint: give --init-from PATH"),
     "an unsupported model_type": (["--init-from", "{gpt2}", "--dataset", "{chat}"],
                                   "error: --init-from '{gpt2}': unsupported model_type 'gpt2'"),
+    "rows of no layout a run reads": (["--init-from", "{llama}", "--dataset", "{no_layout}"],
+                                      "error: {no_layout}:1 has no 'text' field (fields: conversation); a row needs "
+                                      "'text' (documents), 'messages' (chats) or 'prompt' and 'completion'"),
+    "a checkpoint without its tokenizer": (["--init-from", "{no_tokenizer}", "--dataset", "{chat}"],
+                                           "error: --init-from '{no_tokenizer}' holds no tokenizer"),
 }
+# what only the data and the tokenizer reveal: `adaptive launch` checks it too, before it writes the run's configs
+DATA_CASES = ("a chat row without messages", "chats and a tokenizer without a chat template",
+              "rows of no layout a run reads", "a checkpoint without its tokenizer")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -56,5 +72,20 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, inputs):
                           timeout=120)
     lines = done.stderr.strip().splitlines()
     assert (done.returncode, len(lines)) == (2, 1), done.stdout + done.stderr
+    assert lines[0].startswith(expected.format(**inputs)), lines[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case", DATA_CASES)
+def test_adaptive_launch_refuses_bad_data_before_writing_its_configs(case, inputs):
+    flags, expected = CASES[case]
+    out = inputs["root"] / f"launch-{list(CASES).index(case)}"
+    home = inputs["root"] / "home"
+    home.mkdir(exist_ok=True)
+    done = subprocess.run([sys.executable, "-m", "cli", "launch", str(RECIPE), *(f.format(**inputs) for f in flags),
+                           "--seq-len", "64", "--output-dir", str(out)], cwd=REPO, env=launch_env(home),
+                          capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert (done.returncode, len(lines), done.stdout) == (2, 1, ""), done.stdout + done.stderr
     assert lines[0].startswith(expected.format(**inputs)), lines[0]
     assert not out.exists()
