@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from adaptive.plan.estimate.op_times import STACKS
-from adaptive.plan.estimate.optimizers import DESCRIPTIONS
+from adaptive.plan.estimate.optimizers import DESCRIPTIONS, EIGHT_BIT
 from adaptive.plan.hardware.gpus import format_gib, gib_figure
 from adaptive.plan.search.answer import Answer, answer, budget_answer, duration, headroom_note
 from adaptive.plan.search.planner import Plan
@@ -28,9 +28,19 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 # one, the output is the same without it, and ~5 ms sooner
 console._highlight = console.color_system is not None
 
+def part_label(part: str, p) -> str:
+    """A memory part's row label, worded for the plan's base (NF4 or 16-bit) and optimizer (8-bit states)."""
+    if part == "frozen_params":
+        nf4 = p.roles is not None and p.roles.frozen_4bit
+        return "frozen base weights (NF4 codes + quant state; the rest 16-bit)" if nf4 else "frozen base weights (16-bit)"
+    if part == "optimizer" and p.request.optimizer in EIGHT_BIT:
+        return "optimizer states (fp32 master; 8-bit m, v)"
+    return PART_LABELS.get(part, part)
+
+
 PART_LABELS = {
     "params": "16-bit parameters",
-    "frozen_params": "frozen base weights (16-bit; NF4 codes + quant state)",
+    "frozen_params": "frozen base weights",
     "dequantized_weight": "a 4-bit weight dequantized for its matmul",
     "paged_optimizer_states": "8-bit optimizer states, paged (managed memory: spill to host, not in the peak)",
     "grads": "gradients (16-bit + fp32)",
@@ -141,7 +151,7 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
                 when = "16-bit: whole step; fp32: optimizer step"
             if part == "comm_buckets" and s.zero_stage in (1, 2):
                 when = "backward (reduce buckets)"
-            mem.add_row(PART_LABELS.get(part, part), when, gib_figure(value), bar(value, cap))
+            mem.add_row(part_label(part, p), when, gib_figure(value), bar(value, cap))
     mem.add_row(Text("peak", style="bold"), m.peak_phase.replace("_", " "), gib_figure(m.peak_gpu_bytes),
                 bar(m.peak_gpu_bytes, cap))
     out(mem)
@@ -268,6 +278,8 @@ def trainable_words(p: Plan) -> str:
     if r is None or not r.frozen:
         return ""
     nf4 = f", {human(r.frozen_4bit)} in NF4" if r.frozen_4bit else ""
+    if r.frozen_4bit and p.request.spec.is_moe:  # transformers 5 holds experts as 3D tensors, not nn.Linear
+        nf4 += " (the experts stay 16-bit: bitsandbytes quantizes nn.Linear layers only)"
     return f"; {human(r.trainable)} trainable ({r.trainable / r.total:.2%}), {human(r.frozen)} frozen{nf4}"
 
 

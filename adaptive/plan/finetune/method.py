@@ -63,6 +63,9 @@ def make_finetune(method: str, lora_rank: int | None = None, lora_alpha: float |
         raise AdaptiveError(f"--lora-rank must be a positive integer, got {lora_rank}")
     if lora_alpha is not None and not lora_alpha > 0:
         raise AdaptiveError(f"--lora-alpha must be positive, got {lora_alpha}")
+    if lora_targets is not None and not lora_targets.strip(" ,"):
+        raise AdaptiveError(f"--lora-targets names no module, got {lora_targets!r}; give all-linear (the default), "
+                            "attention, or module names such as q_proj,v_proj")
     dropout = DEFAULT_LORA_DROPOUT if lora_dropout is None else lora_dropout
     if not 0.0 <= dropout < 1.0:
         raise AdaptiveError(f"--lora-dropout must be in [0, 1), got {lora_dropout}")

@@ -172,6 +172,14 @@ def test_lora_rank_zero_is_refused():
         make_finetune("lora", lora_rank=0)
 
 
+@pytest.mark.parametrize("targets", ["", " , "])
+def test_empty_lora_targets_are_refused_not_read_as_the_default(targets):
+    from adaptive.plan.finetune.method import make_finetune
+
+    with pytest.raises(AdaptiveError, match="--lora-targets names no module"):
+        make_finetune("lora", lora_targets=targets)
+
+
 def test_qlora_trainable_and_frozen_split_per_family():
     """Mixtral under transformers 5 keeps its 3D experts in 16 bits: bitsandbytes quantizes nn.Linear only."""
     import json
