@@ -163,12 +163,12 @@ def plan(p: Plan, files: dict[str, Path] | None = None) -> None:
     if p.tight:
         out(f"[yellow]Tight:[/yellow] the peak is within {p.tight_margin:.0%} of capacity (the largest "
                       f"peak under-prediction on published runs of this stack); decided by "
-                      f"{PART_LABELS.get(p.tight_part, p.tight_part)} ({gib(m.parts[p.tight_part])})")
+                      f"{part_label(p.tight_part, p)} ({gib(m.parts[p.tight_part])})")
     if req.ds_config is not None:
         from adaptive.plan.ds_config.reader import drivers
 
         for part, n, why in drivers(req.ds_config, m.parts, s.zero_stage):
-            out(f"{req.ds_config.path}: {PART_LABELS.get(part, part)} {gib(n)} <- {why}", soft_wrap=True)
+            out(f"{req.ds_config.path}: {part_label(part, p)} {gib(n)} <- {why}", soft_wrap=True)
         for key in req.ds_config.ignored:
             out(f"{req.ds_config.path}: not modelled: {key}", soft_wrap=True)
     if req.calibration_source:  # what --calibrate changed, in one line, then each figure with its source

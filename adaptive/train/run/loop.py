@@ -43,6 +43,7 @@ from accelerate.logging import get_logger
 from adaptive import engine as engine_internals
 from adaptive.errors import AdaptiveError
 from adaptive.models.checkpointing import apply_checkpointing
+from adaptive.models.export import has_remote_code  # MoD, hybrid: loaded with trust_remote_code
 from adaptive.train.run.callbacks import CallbackList, Control, Knobs, TrainerState
 from adaptive.train.run_folder import checkpoint as ckpt
 from adaptive.train.data.batches import SampleIterator, eval_batches
@@ -507,19 +508,11 @@ def finish(state: TrainerState, control: Control, loop: Loop) -> None:
         evaluate(state, control, loop)
     path = export(state, loop, state.output_dir / FINAL_EXPORT)
     end = {"kind": "end", "step": state.step, "time": time.time(), "export": str(path),
-           "export_remote_code": exported_with_code(path), "skipped_steps": state.skipped_steps,
+           "export_remote_code": has_remote_code(path), "skipped_steps": state.skipped_steps,
            **end_summary(state, loop)}
     loop.metrics.write(end)
     if state.is_main_process:
         show_block(logger, "run finished", summary_lines(end))
-
-
-def exported_with_code(path: Path) -> bool:
-    """The export carries its modeling code (config.json's auto_map: MoD, hybrid), loaded with trust_remote_code."""
-    try:
-        return "auto_map" in json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
 
 
 def end_summary(state: TrainerState, loop: Loop) -> dict[str, Any]:

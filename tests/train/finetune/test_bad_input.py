@@ -61,31 +61,27 @@ DATA_CASES = ("a chat row without messages", "chats and a tokenizer without a ch
               "rows of no layout a run reads", "a checkpoint without its tokenizer")
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, inputs):
+def check_refused(inputs, case: str, folder: str, *command: str, stdout_empty: bool = False) -> None:
+    """`command` with the case's flags: one line on stderr naming the bad input, exit 2, no run folder."""
     flags, expected = CASES[case]
-    out = inputs["root"] / f"run-{list(CASES).index(case)}"
+    out = inputs["root"] / f"{folder}-{list(CASES).index(case)}"
     home = inputs["root"] / "home"
     home.mkdir(exist_ok=True)
-    done = subprocess.run([sys.executable, str(RECIPE), *(f.format(**inputs) for f in flags), "--seq-len", "64",
+    done = subprocess.run([sys.executable, *command, *(f.format(**inputs) for f in flags), "--seq-len", "64",
                            "--output-dir", str(out)], cwd=REPO, env=launch_env(home), capture_output=True, text=True,
                           timeout=120)
     lines = done.stderr.strip().splitlines()
     assert (done.returncode, len(lines)) == (2, 1), done.stdout + done.stderr
+    assert not (stdout_empty and done.stdout), done.stdout  # launch prints no plan before the refusal
     assert lines[0].startswith(expected.format(**inputs)), lines[0]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, inputs):
+    check_refused(inputs, case, "run", str(RECIPE))
 
 
 @pytest.mark.parametrize("case", DATA_CASES)
 def test_adaptive_launch_refuses_bad_data_before_writing_its_configs(case, inputs):
-    flags, expected = CASES[case]
-    out = inputs["root"] / f"launch-{list(CASES).index(case)}"
-    home = inputs["root"] / "home"
-    home.mkdir(exist_ok=True)
-    done = subprocess.run([sys.executable, "-m", "cli", "launch", str(RECIPE), *(f.format(**inputs) for f in flags),
-                           "--seq-len", "64", "--output-dir", str(out)], cwd=REPO, env=launch_env(home),
-                          capture_output=True, text=True, timeout=120)
-    lines = done.stderr.strip().splitlines()
-    assert (done.returncode, len(lines), done.stdout) == (2, 1, ""), done.stdout + done.stderr
-    assert lines[0].startswith(expected.format(**inputs)), lines[0]
-    assert not out.exists()
+    check_refused(inputs, case, "launch", "-m", "cli", "launch", str(RECIPE), stdout_empty=True)
